@@ -1,0 +1,1 @@
+"""fedge's coordinator: fleet registry, selection, the round state machine, strategies, durable state."""

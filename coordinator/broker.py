@@ -1,0 +1,130 @@
+"""Brokers for development and tests: the embedded amqtt broker and a private Mosquitto.
+
+amqtt needs nothing but pip, so it is the default for a newcomer; it speaks MQTT 3.1.1 only and has known
+delivery bugs, so reliability tests and benchmarks use Mosquitto. Both run as child processes so a test
+can kill them, and both bind to loopback only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("fedge.broker")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"broker exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"no broker on port {port} after {timeout}s")
+
+
+class _Child:
+    proc: subprocess.Popen
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class EmbeddedBroker(_Child):
+    """amqtt in a child process (``python -m coordinator.broker``)."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1"):
+        self.port = port or free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.broker", "--host", host, "--port",
+                                      str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for_port(self.port, proc=self.proc)
+
+
+def mosquitto_binary() -> str | None:
+    return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto",) if os.path.exists(p)), None)
+
+
+class Mosquitto(_Child):
+    """A private Mosquitto on a free loopback port, with limits set explicitly (not the defaults)."""
+
+    def __init__(self, port: int | None = None, *, max_packet_mb: int = 64, max_queued: int = 10000):
+        exe = mosquitto_binary()
+        if exe is None:
+            raise RuntimeError("mosquitto is not installed (apt-get install mosquitto)")
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="fedge-mosq-")
+        conf = Path(self.dir) / "mosquitto.conf"
+        conf.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+            f"message_size_limit {max_packet_mb * 1024 * 1024}\nmax_queued_messages {max_queued}\n"
+            f"max_inflight_messages 1000\nlog_dest stderr\nlog_type error\nlog_type warning\n"
+        )
+        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for_port(self.port, proc=self.proc)
+
+
+def start_broker(kind: str = "embedded", port: int | None = None) -> _Child:
+    if kind == "mosquitto":
+        return Mosquitto(port)
+    return EmbeddedBroker(port)
+
+
+async def _serve(host: str, port: int) -> None:
+    from amqtt.broker import Broker
+    config = {
+        "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}", "max_connections": 5000}},
+        "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+    }
+    broker = Broker(config)
+    await broker.start()
+    log.info("embedded broker on %s:%d", host, port)
+    await asyncio.Event().wait()
+
+
+def serve(host: str = "127.0.0.1", port: int = 1883) -> None:
+    """Run the embedded broker in the foreground (``fedge broker``)."""
+    logging.getLogger("amqtt").setLevel(logging.WARNING)
+    asyncio.run(_serve(host, port))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=1883)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    serve(a.host, a.port)

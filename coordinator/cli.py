@@ -1,0 +1,170 @@
+"""The ``fedge`` command: broker, coordinator, device, simulate (and export, when its tooling is installed)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import tomllib
+from pathlib import Path
+
+log = logging.getLogger("fedge")
+
+
+def _load_toml(path: str | None) -> dict:
+    if not path:
+        return {}
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def cmd_broker(a: argparse.Namespace) -> int:
+    from .broker import serve
+    serve(a.host, a.port)
+    return 0
+
+
+def cmd_coordinator(a: argparse.Namespace) -> int:
+    """A long-running coordinator with settings from ``fleet.toml`` (sections [broker] [rounds] [strategy] [data])."""
+    from edge.model import mlp
+    from edge.data import load_npz
+    from edge.mqtt import BrokerAddress
+    from .daemon import Coordinator, CoordinatorConfig, Evaluator
+    from .registry import Eligibility
+    from .rounds import RoundConfig
+    from .strategies import make_strategy
+
+    conf = _load_toml(a.config)
+    r = conf.get("rounds", {})
+    elig = Eligibility(**conf.get("eligibility", {}))
+    rc = RoundConfig(eligibility=elig, **r)
+    s = dict(conf.get("strategy", {}))
+    name = s.pop("name", "fedavg")
+    sizes = s.pop("sizes", [64, 200, 200, 10])
+    strategy = make_strategy(name, spec=mlp(sizes), **s)
+    broker = BrokerAddress.parse(a.broker or conf.get("broker", {}).get("url", "mqtt://127.0.0.1:1883"))
+    state = a.state or conf.get("state", {}).get("path", "runs/coordinator/state.sqlite")
+    test = conf.get("data", {}).get("test")
+    evaluator = Evaluator(*load_npz(test)) if test else None
+
+    def on_round(s: dict) -> None:
+        log.info("round %d: accuracy %s, %d reports, %.2f MB", s["round"], s.get("accuracy"), s["reports"],
+                 (s["bytes_down"] + s["bytes_up"]) / 1e6)
+
+    coord = Coordinator(CoordinatorConfig(rc, broker, state), strategy, evaluator=evaluator, on_round=on_round,
+                        run_config=conf).start()
+    signal.signal(signal.SIGTERM, lambda *_: coord.done.set())
+    try:
+        coord.wait()
+    except KeyboardInterrupt:
+        pass
+    coord.stop()
+    return 1 if coord.error else 0
+
+
+def cmd_device(a: argparse.Namespace) -> int:
+    """One device agent; settings from ``device.toml`` ([device] id, data, state_dir, broker, [capabilities])."""
+    import threading
+    from edge.device import device_from_files
+
+    conf = _load_toml(a.config)
+    d = conf.get("device", {})
+    dev_id = a.id or d.get("id")
+    data = a.data or d.get("data")
+    if not dev_id or not data:
+        print("fedge device: need --id and --data (or a [device] section in --config)", file=sys.stderr)
+        return 2
+    dev = device_from_files(dev_id, data, a.state_dir or d.get("state_dir", f"runs/device-{dev_id}"),
+                            a.broker or d.get("broker", "mqtt://127.0.0.1:1883"), fleet=d.get("fleet", "default"),
+                            capabilities=conf.get("capabilities", {}) | ({"runtime": a.runtime} if a.runtime else {}))
+    dev.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    dev.stop()
+    return 0
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from .simulate import SimConfig, simulate
+    cfg = SimConfig(strategy=a.strategy, devices=a.devices, clients_per_round=a.clients_per_round, rounds=a.rounds,
+                    epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed, alpha=a.alpha,
+                    over_selection=a.over_selection, round_timeout_s=a.round_timeout, broker=a.broker,
+                    processes=a.processes, workdir=a.workdir, runtimes=tuple(a.runtimes.split(",")),
+                    chunk_bytes=a.chunk_kb * 1024)
+    rep = simulate(cfg, out=a.out, plot=a.plot, progress=not a.no_progress)
+    rep.pop("_state", None)
+    print(f"{'round':>5} {'accuracy':>8} {'MB down':>8} {'MB up':>8} {'reports':>7} {'dropped':>7} {'s':>6}")
+    for r in rep["rounds"]:
+        print(f"{r['round']:>5} {r['accuracy']:>8.4f} {r['bytes_down'] / 1e6:>8.3f} {r['bytes_up'] / 1e6:>8.3f} "
+              f"{r['reports']:>7} {r['dropped']:>7} {r['wall_s']:>6.2f}")
+    print(f"final accuracy {rep['final_accuracy']:.4f}, total {rep['total_bytes'] / 1e6:.1f} MB, "
+          f"{rep['wall_s']:.1f} s" + (f"; report in {a.out}" if a.out else "") + (f", plot in {a.plot}" if a.plot else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedge", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="count", default=0)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("broker", help="run the embedded MQTT broker (amqtt; MQTT 3.1.1, for development)")
+    b.add_argument("--host", default="127.0.0.1")
+    b.add_argument("--port", type=int, default=1883)
+    b.set_defaults(fn=cmd_broker)
+
+    c = sub.add_parser("coordinator", help="run the coordinator daemon")
+    c.add_argument("--config", help="fleet.toml")
+    c.add_argument("--broker", help="mqtt://host:port (overrides the config)")
+    c.add_argument("--state", help="SQLite state file (overrides the config)")
+    c.set_defaults(fn=cmd_coordinator)
+
+    d = sub.add_parser("device", help="run one device agent")
+    d.add_argument("--config", help="device.toml")
+    d.add_argument("--id")
+    d.add_argument("--data", help=".npz with x and y")
+    d.add_argument("--state-dir")
+    d.add_argument("--broker")
+    d.add_argument("--runtime", choices=["torch", "ort", "executorch"])
+    d.set_defaults(fn=cmd_device)
+
+    s = sub.add_parser("simulate", help="a coordinator plus N device agents over MQTT")
+    s.add_argument("--strategy", default="fedavg")
+    s.add_argument("--devices", type=int, default=20)
+    s.add_argument("--clients-per-round", type=int, default=10)
+    s.add_argument("--rounds", type=int, default=30)
+    s.add_argument("--epochs", type=int, default=1)
+    s.add_argument("--lr", type=float, default=0.05)
+    s.add_argument("--batch-size", type=int, default=20)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label-skew concentration")
+    s.add_argument("--over-selection", type=float, default=1.3)
+    s.add_argument("--round-timeout", type=float, default=60.0)
+    s.add_argument("--runtimes", default="torch", help="comma list assigned round-robin to devices")
+    s.add_argument("--broker", default="embedded", help="embedded | mosquitto | mqtt://host:port")
+    s.add_argument("--processes", type=int, default=2, help="device processes")
+    s.add_argument("--chunk-kb", type=int, default=256)
+    s.add_argument("--workdir", default="runs/simulate")
+    s.add_argument("--out", help="write the run report JSON here")
+    s.add_argument("--plot", help="write accuracy-vs-MB PNG here")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=cmd_simulate)
+
+    try:
+        from export.cli import add_parser as add_export  # export tooling is optional on a coordinator
+        add_export(sub)
+    except ImportError:
+        pass
+
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * a.verbose,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The coordinator daemon: the round machine wired to MQTT, SQLite and an evaluator.
+
+Actions are carried out in order on the MQTT network thread: ``Persist`` goes to SQLite before any later
+publish, so an ack always follows a durable write.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from edge.mqtt import BrokerAddress, MqttLink
+from edge.program import Program, torch_program
+
+from .registry import Registry
+from .rounds import Finished, Persist, Publish, RoundCommitted, RoundConfig, RoundMachine
+from .store import Store
+from .strategies.base import ServerState, Strategy
+
+log = logging.getLogger("fedge.coordinator")
+
+
+class ProgramCatalog:
+    """One program per (model shape, runtime), built once and kept (content-addressed)."""
+
+    def __init__(self, cache_dir: str | Path | None = None):
+        self.cache_dir = cache_dir
+        self._cache: dict[tuple[str, str], Program] = {}
+
+    def __call__(self, spec: dict, runtime: str) -> Program:
+        import json
+        key = (json.dumps(spec, sort_keys=True), runtime)
+        p = self._cache.get(key)
+        if p is None:
+            if runtime == "torch":
+                p = torch_program(spec)
+            else:
+                from export.programs import build_program  # export tooling is only needed for other runtimes
+                p = build_program(spec, runtime, cache_dir=self.cache_dir)
+            self._cache[key] = p
+        return p
+
+
+class Evaluator:
+    """Accuracy of the global model on a held-out split the devices never train on (torch reference)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        self.x, self.y = x, y
+        self._trainers: dict[str, Any] = {}
+
+    def __call__(self, spec: dict, weights: dict[str, np.ndarray]) -> tuple[float, float]:
+        from edge.trainers import make_trainer
+        prog = torch_program(spec)
+        t = self._trainers.get(prog.hash)
+        if t is None:
+            t = self._trainers[prog.hash] = make_trainer("torch")
+            t.load(prog.data)
+        t.set_weights(weights)
+        return t.evaluate(self.x, self.y)
+
+
+@dataclass
+class CoordinatorConfig:
+    rounds: RoundConfig
+    broker: BrokerAddress = field(default_factory=BrokerAddress)
+    state_path: str = "runs/coordinator/state.sqlite"
+    client_id: str = "fedge-coordinator"
+
+
+class Coordinator:
+    def __init__(self, cfg: CoordinatorConfig, strategy: Strategy, *, evaluator: Evaluator | None = None,
+                 programs: ProgramCatalog | None = None, on_round: Callable[[dict], None] | None = None,
+                 run_config: dict | None = None):
+        self.cfg, self.strategy, self.evaluator = cfg, strategy, evaluator
+        self.on_round = on_round
+        self.store = Store(cfg.state_path)
+        if run_config is not None:
+            self.store.check_config(run_config)
+        state = self.store.latest_state()
+        if state is None:
+            state = strategy.init(cfg.rounds.seed)
+            self.store.save_initial_state(state)
+        else:
+            log.info("resuming from committed round %d", state.round)
+        registry = Registry()
+        for d in self.store.devices():
+            rec = registry.checkin(d["device_id"], d["caps"], d["programs"], d["n"], time.time())
+            rec.online = rec.available = d["online"]
+        self.machine = RoundMachine(cfg.rounds, strategy, state, programs or ProgramCatalog(), registry=registry,
+                                    now=time.time())
+        opened = self.store.open_round()
+        if opened and opened[0]["round"] == state.round + 1:
+            info, reports = opened
+            self.machine.restore_open(info, reports)
+            log.info("re-opened round %d (%s) with %d accepted reports", info["round"], info["task_id"], len(reports))
+        self.done = threading.Event()
+        if self.machine.finished:
+            self.done.set()
+        self.link = MqttLink(cfg.broker, cfg.client_id, self, subscriptions=self.machine.subscriptions(),
+                             clean_session=False, keepalive=30, tick_s=0.05, max_inflight=1000)
+        self.error: BaseException | None = None
+
+    # ---- LinkHandler
+    def on_connected(self, link, now):
+        log.info("coordinator connected to %s", self.cfg.broker.url())
+
+    def on_disconnected(self, link, now):
+        pass
+
+    def on_message(self, link, topic, payload, now):
+        self._guard(lambda: self.machine.receive(topic, payload, now))
+
+    def on_tick(self, link, now):
+        self._guard(lambda: self.machine.tick(now))
+
+    def _guard(self, fn) -> None:
+        try:
+            self._do(fn())
+        except Exception as e:  # a bug must stop the daemon loudly, not wedge it silently
+            log.exception("coordinator failed")
+            self.error = e
+            self.done.set()
+
+    def _do(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, Persist):
+                self.store.apply(a.what, a.data)
+            elif isinstance(a, Publish):
+                self.link.publish(a.topic, a.payload, a.qos, a.retain)
+            elif isinstance(a, RoundCommitted):
+                self._committed(a.summary, a.state)
+            elif isinstance(a, Finished):
+                self.done.set()
+
+    def _committed(self, summary: dict, state: ServerState) -> None:
+        if self.evaluator is not None:
+            spec, weights = self.strategy.global_model(state)
+            loss, acc = self.evaluator(spec, weights)
+            summary = summary | {"accuracy": acc, "loss": loss}
+            self.store.save_metrics(summary["round"], {"accuracy": acc, "loss": loss})
+        if self.on_round:
+            self.on_round(summary)
+
+    # ---- lifecycle
+    def start(self) -> "Coordinator":
+        self.link.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+    def stop(self) -> None:
+        self.link.stop()
+        self.store.close()
+
+    @property
+    def state(self) -> ServerState:
+        return self.machine.state

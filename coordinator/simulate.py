@@ -1,0 +1,183 @@
+"""``fedge simulate``: a coordinator and N device agents over a real broker, each agent its own MQTT client.
+
+Devices run in ``processes`` child processes (each with its own MQTT clients and a small training pool);
+the coordinator runs in this process. Data are written as one ``.npz`` per device, as a real device would
+hold them; the held-out test split stays with the coordinator.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge.data import save_npz
+from edge.mqtt import BrokerAddress
+
+from .broker import start_broker
+from .daemon import Coordinator, CoordinatorConfig, Evaluator
+from .datasets import digits_federated
+from .registry import Eligibility
+from .report import plot_accuracy_vs_bytes, run_report, write_json
+from .rounds import RoundConfig
+from .strategies import make_strategy
+
+log = logging.getLogger("fedge.simulate")
+
+
+@dataclass
+class SimConfig:
+    strategy: str = "fedavg"
+    devices: int = 20
+    clients_per_round: int = 10
+    rounds: int = 30
+    epochs: int = 1
+    lr: float = 0.05
+    batch_size: int = 20
+    seed: int = 0
+    alpha: float = 0.5
+    hidden: tuple[int, ...] = (200, 200)
+    over_selection: float = 1.3
+    min_reports: int = 0
+    round_timeout_s: float = 60.0
+    selection_timeout_s: float = 5.0
+    chunk_bytes: int = 256 * 1024
+    runtimes: tuple[str, ...] = ("torch",)  # assigned round-robin to devices
+    broker: str = "embedded"  # embedded | mosquitto | mqtt://host:port
+    processes: int = 1
+    workdir: str = "runs/simulate"
+    strategy_kw: dict[str, Any] = field(default_factory=dict)
+
+
+def _device_worker(specs: list[dict], broker_url: str, stop: Any, ready: Any) -> None:
+    """Child process: run a group of devices until told to stop."""
+    logging.basicConfig(level=os.environ.get("FEDGE_LOG", "WARNING"),
+                        format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
+    from concurrent.futures import ThreadPoolExecutor
+    from edge.device import device_from_files
+    pool = ThreadPoolExecutor(max_workers=1)  # one trainer at a time per process: the machine has 2 cores
+    devs = [device_from_files(s["id"], s["data"], s["state"], broker_url, capabilities=s["caps"],
+                              chunk_bytes=s["chunk_bytes"], executor=pool, trainer_kw={"threads": 1}).start()
+            for s in specs]
+    ready.set()
+    stop.wait()
+    for d in devs:
+        d.stop()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+class DeviceFleet:
+    """Device agents spread over child processes."""
+
+    def __init__(self, specs: list[dict], broker_url: str, processes: int):
+        ctx = mp.get_context("spawn")
+        self.stop_event = ctx.Event()
+        self.procs = []
+        groups = [specs[i::processes] for i in range(max(1, processes))]
+        readies = []
+        for i, g in enumerate(groups):
+            if not g:
+                continue
+            ready = ctx.Event()
+            p = ctx.Process(target=_device_worker, args=(g, broker_url, self.stop_event, ready), name=f"devices-{i}",
+                            daemon=True)
+            p.start()
+            self.procs.append(p)
+            readies.append(ready)
+        for r in readies:
+            if not r.wait(120):
+                raise TimeoutError("device processes did not start")
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def prepare(cfg: SimConfig) -> tuple[list[dict], Any]:
+    """Write each device's shard to its own file; returns device specs and the federated data."""
+    work = Path(cfg.workdir)
+    data = digits_federated(cfg.devices, cfg.alpha, cfg.seed)
+    specs = []
+    for i, (x, y) in enumerate(data.shards):
+        did = f"d{i:04d}"
+        ddir = work / "devices" / did
+        ddir.mkdir(parents=True, exist_ok=True)
+        save_npz(ddir / "data.npz", x, y)
+        caps = {"runtime": cfg.runtimes[i % len(cfg.runtimes)], "memory_mb": 2048, "battery": 0.9,
+                "charging": True, "network": "wifi", "idle": True}
+        specs.append({"id": did, "data": str(ddir / "data.npz"), "state": str(ddir), "caps": caps,
+                      "chunk_bytes": cfg.chunk_bytes})
+    return specs, data
+
+
+def build_coordinator(cfg: SimConfig, broker_url: str, test: tuple, on_round=None) -> Coordinator:
+    from edge.model import mlp
+    strategy = make_strategy(cfg.strategy, spec=mlp([64, *cfg.hidden, 10]), lr=cfg.lr, epochs=cfg.epochs,
+                             batch_size=cfg.batch_size, **cfg.strategy_kw)
+    rc = RoundConfig(rounds=cfg.rounds, clients_per_round=cfg.clients_per_round, over_selection=cfg.over_selection,
+                     min_reports=cfg.min_reports, round_timeout_s=cfg.round_timeout_s,
+                     selection_timeout_s=cfg.selection_timeout_s, seed=cfg.seed, chunk_bytes=cfg.chunk_bytes,
+                     eligibility=Eligibility(runtimes=tuple(cfg.runtimes)))
+    cc = CoordinatorConfig(rc, BrokerAddress.parse(broker_url), str(Path(cfg.workdir) / "coordinator.sqlite"))
+    return Coordinator(cc, strategy, evaluator=Evaluator(*test), on_round=on_round)
+
+
+def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None, progress: bool = True) -> dict:
+    """Run a whole federated training over MQTT; returns the run report (and writes it to ``out``)."""
+    if Path(cfg.workdir).exists():
+        shutil.rmtree(cfg.workdir)
+    specs, data = prepare(cfg)
+    broker = None
+    url = cfg.broker
+    if not url.startswith("mqtt://"):
+        broker = start_broker(url)
+        url = broker.url
+    t0 = time.time()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.rounds, desc=f"{cfg.strategy} rounds", unit="round")
+    rows: list[dict] = []
+
+    def on_round(s: dict) -> None:
+        rows.append(s)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(acc=f"{s['accuracy']:.3f}", MB=f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.2f}")
+        else:
+            log.info("round %d accuracy %.4f", s["round"], s["accuracy"])
+
+    fleet = coord = None
+    try:
+        coord = build_coordinator(cfg, url, (data.x_test, data.y_test), on_round).start()
+        if not coord.link.connected.wait(30):
+            raise TimeoutError(f"coordinator could not connect to {url}")
+        fleet = DeviceFleet(specs, url, cfg.processes)
+        coord.wait()
+        if coord.error:
+            raise RuntimeError("coordinator failed") from coord.error
+        final_state = coord.state
+    finally:
+        if bar is not None:
+            bar.close()
+        if coord is not None:
+            coord.stop()
+        if fleet is not None:
+            fleet.stop()
+        if broker is not None:
+            broker.stop()
+    rep = run_report(strategy=cfg.strategy, runtime="+".join(cfg.runtimes), devices=cfg.devices,
+                     clients_per_round=cfg.clients_per_round, rounds=rows, wall_s=time.time() - t0, seed=cfg.seed)
+    if out:
+        write_json(out, rep)
+    if plot:
+        plot_accuracy_vs_bytes([(cfg.strategy, rows)], plot, title=f"{cfg.strategy}, {cfg.devices} devices")
+    rep["_state"] = final_state
+    return rep

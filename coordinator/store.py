@@ -1,0 +1,117 @@
+"""Durable coordinator state in SQLite (WAL): devices, rounds, accepted reports, committed global state.
+
+A round commits in one transaction (new state in, the round's reports out), so a coordinator killed with
+SIGKILL restarts from the last committed round together with the open round's accepted reports.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from .strategies.base import ServerState
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS devices (device_id TEXT PRIMARY KEY, caps TEXT, programs TEXT, n INTEGER,
+                                    online INTEGER, updated REAL);
+CREATE TABLE IF NOT EXISTS state (round INTEGER PRIMARY KEY, blob BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS rounds (round INTEGER, attempt INTEGER, task_id TEXT PRIMARY KEY, selected TEXT,
+                                   deadline REAL, opened_at REAL, status TEXT, summary TEXT);
+CREATE TABLE IF NOT EXISTS reports (task_id TEXT, device_id TEXT, n INTEGER, payload BLOB,
+                                    PRIMARY KEY (task_id, device_id));
+CREATE TABLE IF NOT EXISTS metrics (round INTEGER PRIMARY KEY, data TEXT);
+"""
+
+
+class Store:
+    def __init__(self, path: str | Path, *, keep_states: int = 2):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        self.db.executescript(SCHEMA)
+        self.keep_states = keep_states
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- config guard: a store belongs to one run configuration
+    def check_config(self, config: dict[str, Any]) -> None:
+        text = json.dumps(config, sort_keys=True)
+        row = self.db.execute("SELECT value FROM meta WHERE key='config'").fetchone()
+        if row is None:
+            self.db.execute("INSERT INTO meta VALUES ('config', ?)", (text,))
+        elif row[0] != text:
+            raise RuntimeError(f"{self.path} holds a run with another configuration; use a new state path")
+
+    # ---- writes (one per Persist action)
+    def apply(self, what: str, d: dict[str, Any]) -> None:
+        db = self.db
+        if what == "device":
+            db.execute("INSERT OR REPLACE INTO devices VALUES (?,?,?,?,?,?)",
+                       (d["device_id"], json.dumps(d["caps"]), json.dumps(d["programs"]), d["n"], 1, time.time()))
+        elif what == "device_offline":
+            db.execute("UPDATE devices SET online=0 WHERE device_id=?", (d["device_id"],))
+        elif what == "open":
+            db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?,'open',NULL)",
+                       (d["round"], d["attempt"], d["task_id"], json.dumps(d["selected"]), d["deadline"],
+                        d["opened_at"]))
+        elif what == "report":
+            db.execute("INSERT OR IGNORE INTO reports VALUES (?,?,?,?)",
+                       (d["task_id"], d["device_id"], d["n"], d["payload"]))
+        elif what == "abandon":
+            with db:
+                db.execute("BEGIN")
+                db.execute("UPDATE rounds SET status='abandoned' WHERE task_id=?", (d["task_id"],))
+                db.execute("DELETE FROM reports WHERE task_id=?", (d["task_id"],))
+        elif what == "commit":
+            st: ServerState = d["state"]
+            with db:
+                db.execute("BEGIN")
+                db.execute("INSERT OR REPLACE INTO state VALUES (?,?)", (st.round, st.to_bytes()))
+                db.execute("UPDATE rounds SET status='committed', summary=? WHERE task_id=?",
+                           (json.dumps(d["summary"]), d["task_id"]))
+                db.execute("DELETE FROM reports WHERE task_id=?", (d["task_id"],))
+                db.execute("DELETE FROM state WHERE round <= ?", (st.round - self.keep_states,))
+        else:
+            raise ValueError(f"unknown persist record {what!r}")
+
+    def save_metrics(self, round_: int, data: dict[str, Any]) -> None:
+        self.db.execute("INSERT OR REPLACE INTO metrics VALUES (?,?)", (round_, json.dumps(data)))
+
+    # ---- reads (on start)
+    def latest_state(self) -> ServerState | None:
+        row = self.db.execute("SELECT blob FROM state ORDER BY round DESC LIMIT 1").fetchone()
+        return ServerState.from_bytes(row[0]) if row else None
+
+    def save_initial_state(self, st: ServerState) -> None:
+        self.db.execute("INSERT OR IGNORE INTO state VALUES (?,?)", (st.round, st.to_bytes()))
+
+    def open_round(self) -> tuple[dict[str, Any], list[bytes]] | None:
+        row = self.db.execute("SELECT round, attempt, task_id, selected, deadline, opened_at FROM rounds "
+                              "WHERE status='open' ORDER BY round DESC, attempt DESC LIMIT 1").fetchone()
+        if row is None:
+            return None
+        info = dict(zip(("round", "attempt", "task_id", "selected", "deadline", "opened_at"), row))
+        info["selected"] = json.loads(info["selected"])
+        reports = [r[0] for r in self.db.execute("SELECT payload FROM reports WHERE task_id=? ORDER BY rowid",
+                                                 (info["task_id"],))]
+        return info, reports
+
+    def devices(self) -> list[dict[str, Any]]:
+        return [{"device_id": r[0], "caps": json.loads(r[1]), "programs": json.loads(r[2]), "n": r[3],
+                 "online": bool(r[4])} for r in self.db.execute("SELECT * FROM devices")]
+
+    def summaries(self) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT r.summary, m.data FROM rounds r LEFT JOIN metrics m ON m.round = r.round "
+                               "WHERE r.status='committed' ORDER BY r.round").fetchall()
+        return [json.loads(s) | (json.loads(m) if m else {}) for s, m in rows]
+
+    def abandoned_attempts(self, round_: int) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM rounds WHERE round=? AND status='abandoned'",
+                               (round_,)).fetchone()[0]

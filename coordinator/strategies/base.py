@@ -1,0 +1,64 @@
+"""The strategy contract: a few small functions over explicit state.
+
+``init`` -> ``plan`` per device -> ``begin`` / ``accumulate`` (a streaming weighted sum, so memory does not
+grow with the number of reports) -> ``finish`` (the server step). State is plain arrays and scalars so the
+store can persist it and a restarted coordinator can resume.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from edge.wire import Report
+
+
+class ReportRejected(ValueError):
+    """A report that decoded fine but does not fit what was asked of the device."""
+
+
+@dataclass
+class ServerState:
+    round: int  # rounds committed so far
+    weights: dict[str, np.ndarray]
+    opt: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        arrays = {f"w/{k}": v for k, v in self.weights.items()} | {f"o/{k}": v for k, v in self.opt.items()}
+        np.savez(buf, __meta__=np.frombuffer(json.dumps({"round": self.round, "meta": self.meta}).encode(), np.uint8),
+                 **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ServerState":
+        with np.load(io.BytesIO(data), allow_pickle=False) as f:
+            head = json.loads(f["__meta__"].tobytes())
+            w = {k[2:]: f[k] for k in f.files if k.startswith("w/")}
+            o = {k[2:]: f[k] for k in f.files if k.startswith("o/")}
+        return cls(head["round"], w, o, head["meta"])
+
+
+@dataclass
+class DevicePlan:
+    """What the strategy asks of one device; the round machine wraps it into a wire Plan."""
+
+    weights: dict[str, np.ndarray]
+    hparams: dict[str, Any]
+    upload: dict[str, Any]
+    spec: dict[str, Any]  # model spec of the (possibly sliced) network the device trains
+
+
+class Strategy(Protocol):
+    name: str
+
+    def init(self, seed: int) -> ServerState: ...
+    def plan(self, state: ServerState, device_id: str, caps: dict[str, Any]) -> DevicePlan: ...
+    def begin(self, state: ServerState) -> Any: ...
+    def accumulate(self, state: ServerState, acc: Any, plan: DevicePlan, report: Report) -> None: ...
+    def finish(self, state: ServerState, acc: Any) -> ServerState: ...
+    def global_model(self, state: ServerState) -> tuple[dict[str, Any], dict[str, np.ndarray]]: ...

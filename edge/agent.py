@@ -1,0 +1,218 @@
+"""The device agent's sans-I/O core: fed events (connected, message, training done, tick), returns actions.
+
+It never touches a socket, a clock or a thread: the MQTT adapter (:mod:`edge.mqtt`) feeds it and carries
+out what it returns. That keeps every protocol decision testable without a broker.
+
+States: ``offline`` -> ``idle`` (checked in, waiting for a plan) -> ``training`` -> ``reporting`` (report
+sent, waiting for the coordinator's ack, resending with backoff) -> ``idle``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import wire
+from .program import program_hash
+from .wire import Ack, CheckIn, Chunk, Plan, Report, Status, WireError
+
+log = logging.getLogger("fedge.device")
+
+
+# ---- actions the adapter carries out
+
+@dataclass
+class Publish:
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = False
+
+
+@dataclass
+class StartTraining:
+    """Run the plan (off the network thread) and feed back :meth:`DeviceAgent.training_done`."""
+    plan: Plan
+
+
+@dataclass
+class StoreProgram:
+    data: bytes
+
+
+Action = Publish | StartTraining | StoreProgram
+
+
+@dataclass
+class AgentConfig:
+    device_id: str
+    fleet: str = "default"
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    chunk_bytes: int = 256 * 1024
+    max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    ack_timeout_s: float = 5.0
+    report_grace_s: float = 30.0  # keep resending this long past the plan's deadline, then give up
+    heartbeat_s: float = 15.0  # an idle device checks in again this often (a restarted coordinator re-learns it)
+
+
+class DeviceAgent:
+    def __init__(self, cfg: AgentConfig, *, n_samples: int, programs: list[str] | None = None):
+        if not wire.ID_RE.match(cfg.device_id):
+            raise ValueError(f"device id {cfg.device_id!r} is not valid in a topic")
+        self.cfg = cfg
+        self.n_samples = n_samples
+        self.programs: set[str] = set(programs or [])
+        self.state = "offline"
+        self.task: Plan | None = None
+        self._report_msgs: list[bytes] = []
+        self._retry_at = 0.0
+        self._retry_n = 0
+        self._give_up_at = 0.0
+        self._last_checkin = 0.0
+        self._done_tasks: list[str] = []  # recent task ids, so a redelivered plan is not trained twice
+        self._reasm = wire.Reassembler(max_bytes=cfg.max_message_bytes)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ---- helpers
+    def _t(self, kind: str, ident: str | None = None) -> str:
+        return wire.topic(self.cfg.fleet, kind, ident or self.cfg.device_id)
+
+    def _pub(self, kind: str, msg, *, retain: bool = False, msg_id: str | None = None) -> list[Action]:
+        payload = wire.encode(msg)
+        parts = wire.split(payload, msg_id or f"{kind}-{len(payload)}", self.cfg.chunk_bytes)
+        out = [Publish(self._t(kind), p, 1, retain) for p in parts]
+        self.bytes_sent += sum(len(p.payload) for p in out)
+        return out
+
+    def status_message(self, state: str, now: float = 0.0) -> bytes:
+        return wire.encode(Status(self.cfg.device_id, state, now))
+
+    def last_will(self) -> tuple[str, bytes]:
+        """Topic and payload the adapter registers as MQTT last will (retained 'offline')."""
+        return self._t("status"), self.status_message("offline")
+
+    def _checkin(self, now: float | None = None) -> list[Action]:
+        if now is not None:
+            self._last_checkin = now
+        msg = CheckIn(self.cfg.device_id, dict(self.cfg.capabilities), sorted(self.programs), self.n_samples)
+        return self._pub("checkin", msg)
+
+    def subscriptions(self) -> list[str]:
+        return [self._t("plan"), self._t("ack")]
+
+    # ---- events
+    def connected(self, now: float) -> list[Action]:
+        out = self._pub("status", Status(self.cfg.device_id, "online", now), retain=True)
+        if self.state in ("offline", "idle"):
+            self.state = "idle"
+            out += self._checkin(now)
+        elif self.state == "reporting":
+            self._retry_at = now  # resend at once: the old connection may have lost it
+        return out
+
+    def disconnected(self, now: float) -> list[Action]:
+        if self.state == "idle":
+            self.state = "offline"
+        return []
+
+    def update_capabilities(self, caps: dict[str, Any]) -> list[Action]:
+        """Eligibility changed (charger unplugged, Wi-Fi lost): tell the coordinator."""
+        self.cfg.capabilities.update(caps)
+        return self._checkin() if self.state == "idle" else []
+
+    def received(self, topic: str, payload: bytes, now: float) -> list[Action]:
+        self.bytes_received += len(payload)
+        try:
+            _, kind, ident = wire.parse_topic(topic)
+            if ident != self.cfg.device_id:
+                raise WireError(f"message for {ident!r} on a topic of this device")
+            msg = wire.decode(payload, max_bytes=self.cfg.max_message_bytes, expect=("plan", "ack", "chunk"))
+            if isinstance(msg, Chunk):
+                whole = self._reasm.feed(kind, msg, now)
+                if whole is None:
+                    return []
+                msg = wire.decode(whole, max_bytes=self.cfg.max_message_bytes, expect=("plan", "ack"))
+        except WireError as e:
+            log.error("%s: dropped message on %s: %s", self.cfg.device_id, topic, e)
+            return []
+        if isinstance(msg, Plan):
+            return self._on_plan(msg, now)
+        return self._on_ack(msg, now)
+
+    def _on_plan(self, plan: Plan, now: float) -> list[Action]:
+        me = self.cfg.device_id
+        if plan.device_id != me:
+            log.error("%s: dropped plan addressed to %s", me, plan.device_id)
+            return []
+        if plan.task_id in self._done_tasks or (self.task and self.task.task_id == plan.task_id):
+            log.info("%s: plan %s delivered again; ignored", me, plan.task_id)
+            return []
+        if self.state in ("training", "reporting"):
+            log.warning("%s: plan %s arrived while busy with %s; ignored", me, plan.task_id, self.task.task_id)
+            return []
+        if plan.deadline <= now:
+            log.warning("%s: plan %s arrived after its deadline; ignored", me, plan.task_id)
+            return []
+        out: list[Action] = []
+        if plan.program is not None:
+            if program_hash(plan.program) != plan.program_hash:
+                log.error("%s: program in plan %s does not match its hash; ignored", me, plan.task_id)
+                return []
+            self.programs.add(plan.program_hash)
+            out.append(StoreProgram(plan.program))
+        elif plan.program_hash not in self.programs:
+            log.error("%s: plan %s needs program %s which this device lacks", me, plan.task_id, plan.program_hash[:12])
+            return self._checkin()
+        self.state, self.task = "training", plan
+        out += self._pub("status", Status(me, "training", now), retain=True)
+        out.append(StartTraining(plan))
+        return out
+
+    def training_done(self, report: Report | None, now: float, error: str = "") -> list[Action]:
+        """The adapter's worker finished the plan (``report`` None on failure: nothing is sent)."""
+        plan = self.task
+        if self.state != "training" or plan is None:
+            return []
+        if report is None:
+            log.error("%s: training for %s failed: %s", self.cfg.device_id, plan.task_id, error)
+            return self._finish(now)
+        payload = wire.encode(report)
+        self._report_msgs = wire.split(payload, f"r-{plan.task_id}", self.cfg.chunk_bytes)
+        self.state = "reporting"
+        self._retry_n = 0
+        self._give_up_at = plan.deadline + self.cfg.report_grace_s
+        return self._send_report(now)
+
+    def _send_report(self, now: float) -> list[Action]:
+        self._retry_at = now + self.cfg.ack_timeout_s * (2 ** min(self._retry_n, 5))
+        self._retry_n += 1
+        out = [Publish(self._t("report"), p, 1, False) for p in self._report_msgs]
+        self.bytes_sent += sum(len(p) for p in self._report_msgs)
+        return out
+
+    def _on_ack(self, ack: Ack, now: float) -> list[Action]:
+        if self.state != "reporting" or self.task is None or ack.task_id != self.task.task_id:
+            log.debug("%s: stale ack for %s", self.cfg.device_id, ack.task_id)
+            return []
+        level = logging.INFO if ack.status in ("accepted", "duplicate", "late") else logging.WARNING
+        log.log(level, "%s: report %s %s %s", self.cfg.device_id, ack.task_id, ack.status, ack.reason)
+        return self._finish(now)
+
+    def _finish(self, now: float) -> list[Action]:
+        if self.task is not None:
+            self._done_tasks = (self._done_tasks + [self.task.task_id])[-64:]
+        self.task, self._report_msgs, self.state = None, [], "idle"
+        return self._pub("status", Status(self.cfg.device_id, "idle", now), retain=True) + self._checkin(now)
+
+    def tick(self, now: float) -> list[Action]:
+        for sender, mid in self._reasm.expire(now):
+            log.warning("%s: incomplete transfer %s timed out", self.cfg.device_id, mid)
+        if self.state == "reporting" and now >= self._retry_at:
+            if now >= self._give_up_at:
+                log.warning("%s: no ack for %s; giving up", self.cfg.device_id, self.task.task_id)
+                return self._finish(now)
+            return self._send_report(now)
+        if self.state == "idle" and now - self._last_checkin >= self.cfg.heartbeat_s:
+            return self._checkin(now)
+        return []

@@ -1,0 +1,98 @@
+"""A device process: the agent core wired to MQTT, a program cache and a trainer on a worker thread."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .agent import AgentConfig, DeviceAgent, Publish, StartTraining, StoreProgram
+from .client import run_plan
+from .data import load_npz
+from .mqtt import BrokerAddress, MqttLink
+from .program import ProgramCache
+from .trainers import make_trainer
+from .wire import Plan
+
+log = logging.getLogger("fedge.device")
+
+
+class Device:
+    """Owns one :class:`DeviceAgent` and carries out its actions. Training runs on ``executor``."""
+
+    def __init__(self, cfg: AgentConfig, x: np.ndarray, y: np.ndarray, state_dir: str | Path,
+                 broker: BrokerAddress, *, executor: Executor | None = None, trainer_kw: dict | None = None):
+        self.x, self.y = x, y
+        self.cache = ProgramCache(Path(state_dir) / "programs")
+        self.agent = DeviceAgent(cfg, n_samples=len(x), programs=self.cache.hashes())
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"train-{cfg.device_id}")
+        self.trainer_kw = trainer_kw or {}
+        self._trainers: dict[str, Any] = {}  # program hash -> loaded trainer (never re-exported or reloaded)
+        self._topics = set(self.agent.subscriptions())
+        self.link = MqttLink(broker, f"dev-{cfg.device_id}", self, subscriptions=self.agent.subscriptions(),
+                             will=self.agent.last_will(), clean_session=False)
+
+    # ---- LinkHandler
+    def on_connected(self, link, now):
+        self._do(self.agent.connected(now))
+
+    def on_disconnected(self, link, now):
+        self._do(self.agent.disconnected(now))
+
+    def on_message(self, link, topic, payload, now):
+        if topic not in self._topics:  # amqtt delivers retained messages of other topics; not input for us
+            log.debug("%s: broker delivered unsubscribed topic %s; ignored", self.agent.cfg.device_id, topic)
+            return
+        self._do(self.agent.received(topic, payload, now))
+
+    def on_tick(self, link, now):
+        self._do(self.agent.tick(now))
+
+    # ---- actions
+    def _do(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, Publish):
+                self.link.publish(a.topic, a.payload, a.qos, a.retain)
+            elif isinstance(a, StoreProgram):
+                self.cache.put(a.data)
+            elif isinstance(a, StartTraining):
+                self.executor.submit(self._train, a.plan)
+
+    def _trainer_for(self, plan: Plan):
+        t = self._trainers.get(plan.program_hash)
+        if t is None:
+            t = make_trainer(plan.runtime, **self.trainer_kw)
+            t.load(self.cache.get(plan.program_hash))
+            self._trainers = {plan.program_hash: t}  # keep one: a device holds one shape at a time
+        return t
+
+    def _train(self, plan: Plan) -> None:
+        try:
+            report = run_plan(plan, self._trainer_for(plan), self.x, self.y)
+            err = ""
+        except Exception as e:  # a failed plan must not kill the device
+            log.exception("%s: plan %s failed", self.agent.cfg.device_id, plan.task_id)
+            report, err = None, f"{type(e).__name__}: {e}"
+        self.link.call_soon(lambda: self._do(self.agent.training_done(report, time.time(), err)))
+
+    def start(self) -> "Device":
+        self.link.start()
+        return self
+
+    def stop(self) -> None:
+        self.link.stop()
+
+    def kill(self) -> None:
+        self.link.kill()
+
+
+def device_from_files(device_id: str, data: str, state_dir: str, broker: str, *, fleet: str = "default",
+                      capabilities: dict | None = None, chunk_bytes: int = 256 * 1024, **kw) -> Device:
+    x, y = load_npz(data)
+    caps = {"runtime": "torch", "memory_mb": 2048, "battery": 1.0, "charging": True, "network": "wifi", "idle": True}
+    caps.update(capabilities or {})
+    cfg = AgentConfig(device_id=device_id, fleet=fleet, capabilities=caps, chunk_bytes=chunk_bytes)
+    return Device(cfg, x, y, state_dir, BrokerAddress.parse(broker), **kw)

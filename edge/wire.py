@@ -1,0 +1,511 @@
+"""The wire protocol: versioned msgpack messages with strict decoding.
+
+The device is the constrained side, so the protocol lives here and imports only numpy and msgpack.
+Every message is a msgpack map ``{"v": PROTOCOL_VERSION, "k": kind, ...}``. Arrays travel as raw
+little-endian bytes with their dtype and shape. Decoding is strict: anything malformed, oversized, of
+another version, with inconsistent shapes or non-finite floats raises :class:`WireError`, which a receiver
+logs and drops. Nothing in here touches the network; byte counts are ``len()`` of what these functions
+return, which is exactly what goes on the wire.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_TENSORS = 4096
+MAX_NDIM = 8
+MAX_STR = 256
+# Ids end up in topic names: no '/', '+', '#' or whitespace.
+ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+DTYPES = {"f4": np.float32, "f2": np.float16, "f8": np.float64, "u1": np.uint8, "i4": np.int32, "i8": np.int64}
+_DTYPE_CODE = {np.dtype(v).str[1:]: k for k, v in DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A message that must be dropped; the text says why."""
+
+
+# ---------------------------------------------------------------- arrays
+
+def pack_array(a: np.ndarray) -> dict:
+    a = np.asarray(a)
+    code = _DTYPE_CODE.get(a.dtype.str[1:])
+    if code is None:
+        raise WireError(f"dtype {a.dtype} is not allowed on the wire")
+    return {"d": code, "s": list(a.shape), "b": np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()}
+
+
+def unpack_array(obj: Any, what: str, *, finite: bool = True) -> np.ndarray:
+    if not isinstance(obj, dict) or set(obj) != {"d", "s", "b"}:
+        raise WireError(f"{what}: not an array record")
+    code, shape, buf = obj["d"], obj["s"], obj["b"]
+    if code not in DTYPES:
+        raise WireError(f"{what}: dtype {code!r} is not allowed")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape
+    ):
+        raise WireError(f"{what}: bad shape {shape!r}")
+    if not isinstance(buf, bytes):
+        raise WireError(f"{what}: array data is not bytes")
+    dt = np.dtype(DTYPES[code]).newbyteorder("<")
+    if math.prod(shape) * dt.itemsize != len(buf):
+        raise WireError(f"{what}: shape {shape} and {len(buf)} data bytes disagree")
+    a = np.frombuffer(buf, dtype=dt).reshape(shape).astype(DTYPES[code], copy=False)
+    if finite and a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise WireError(f"{what}: non-finite values")
+    return a
+
+
+# ---------------------------------------------------------------- field checks
+
+def _need(d: Mapping, key: str, types: type | tuple, what: str) -> Any:
+    if key not in d:
+        raise WireError(f"{what}: missing field {key!r}")
+    v = d[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise WireError(f"{what}: field {key!r} has type bool")
+    if not isinstance(v, types):
+        raise WireError(f"{what}: field {key!r} has type {type(v).__name__}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise WireError(f"{what}: field {key!r} is not finite")
+    if isinstance(v, str) and len(v) > MAX_STR:
+        raise WireError(f"{what}: field {key!r} is too long")
+    return v
+
+
+def _id(d: Mapping, key: str, what: str) -> str:
+    v = _need(d, key, str, what)
+    if not ID_RE.match(v):
+        raise WireError(f"{what}: {key} {v!r} is not a valid id")
+    return v
+
+
+def _num(d: Mapping, key: str, what: str) -> float:
+    return float(_need(d, key, (int, float), what))
+
+
+def _scalars(obj: Any, what: str) -> dict[str, int | float | str | bool]:
+    """A small flat map of scalars (hyperparameters, metrics, capabilities)."""
+    if not isinstance(obj, dict) or len(obj) > 256:
+        raise WireError(f"{what}: not a small map")
+    out = {}
+    for k, v in obj.items():
+        if not isinstance(k, str) or len(k) > MAX_STR:
+            raise WireError(f"{what}: bad key {k!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise WireError(f"{what}: {k} is not finite")
+        if isinstance(v, str) and len(v) > MAX_STR:
+            raise WireError(f"{what}: {k} is too long")
+        if v is not None and not isinstance(v, (int, float, str, bool)):
+            raise WireError(f"{what}: {k} is not a scalar")
+        out[k] = v
+    return out
+
+
+def _arrays(obj: Any, what: str) -> dict[str, np.ndarray]:
+    if not isinstance(obj, dict) or len(obj) > MAX_TENSORS:
+        raise WireError(f"{what}: not a map of arrays")
+    out = {}
+    for k, v in obj.items():
+        if not isinstance(k, str) or not k or len(k) > MAX_STR:
+            raise WireError(f"{what}: bad tensor name {k!r}")
+        out[k] = unpack_array(v, f"{what}[{k}]")
+    return out
+
+
+def _only(d: Mapping, allowed: set[str], what: str) -> None:
+    extra = set(d) - allowed
+    if extra:
+        raise WireError(f"{what}: unknown fields {sorted(extra)}")
+
+
+# ---------------------------------------------------------------- sparse tensor updates
+
+@dataclass
+class TensorUpdate:
+    """One tensor of an update: a mask over its groups (rows, axis 0) and only the active rows.
+
+    ``mask is None`` means dense: every row is present. The mask travels as a bit-packed vector or as
+    an index list, whichever is smaller on the wire (chosen in :func:`pack_update`).
+    """
+
+    shape: tuple[int, ...]
+    values: np.ndarray
+    mask: np.ndarray | None = None
+
+    def dense(self) -> np.ndarray:
+        """The full-shape tensor with zeros in inactive rows."""
+        if self.mask is None:
+            return self.values.reshape(self.shape)
+        out = np.zeros(self.shape, dtype=self.values.dtype)
+        out[self.mask] = self.values
+        return out
+
+
+def pack_update(t: TensorUpdate) -> dict:
+    rec: dict[str, Any] = {"s": list(t.shape), "x": pack_array(t.values)}
+    if t.mask is not None:
+        mask = np.asarray(t.mask, dtype=bool)
+        idx = np.flatnonzero(mask)
+        bits = np.packbits(mask).tobytes()
+        width = np.uint16 if len(mask) <= 65536 else np.uint32
+        if len(idx) * np.dtype(width).itemsize < len(bits):
+            rec["i"] = idx.astype(width).astype("<" + np.dtype(width).str[1:]).tobytes()
+            rec["w"] = np.dtype(width).itemsize
+        else:
+            rec["m"] = bits
+    return rec
+
+
+def unpack_update(obj: Any, what: str) -> TensorUpdate:
+    if not isinstance(obj, dict):
+        raise WireError(f"{what}: not an update record")
+    _only(obj, {"s", "x", "m", "i", "w"}, what)
+    shape = obj.get("s")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_NDIM or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape
+    ):
+        raise WireError(f"{what}: bad shape {shape!r}")
+    shape = tuple(shape)
+    values = unpack_array(obj.get("x"), f"{what}.values")
+    if values.dtype.kind != "f":
+        raise WireError(f"{what}: values must be floating point")
+    rows = shape[0]
+    mask = None
+    if "m" in obj and "i" in obj:
+        raise WireError(f"{what}: both a bit mask and an index list")
+    if "m" in obj:
+        bits = obj["m"]
+        if not isinstance(bits, bytes) or len(bits) != (rows + 7) // 8:
+            raise WireError(f"{what}: mask of {len(bits) if isinstance(bits, bytes) else '?'} bytes for {rows} rows")
+        mask = np.unpackbits(np.frombuffer(bits, np.uint8), count=rows).astype(bool)
+    elif "i" in obj:
+        w = obj.get("w")
+        if w not in (2, 4) or not isinstance(obj["i"], bytes) or len(obj["i"]) % w:
+            raise WireError(f"{what}: bad index list")
+        idx = np.frombuffer(obj["i"], dtype="<u2" if w == 2 else "<u4").astype(np.int64)
+        if len(idx) and (idx.max() >= rows or np.any(np.diff(idx) <= 0)):
+            raise WireError(f"{what}: index list out of range or not increasing")
+        mask = np.zeros(rows, dtype=bool)
+        mask[idx] = True
+    n_rows = rows if mask is None else int(mask.sum())
+    want = (n_rows, *shape[1:])
+    if values.shape != want:
+        raise WireError(f"{what}: values have shape {values.shape}, mask says {want}")
+    return TensorUpdate(shape=shape, values=values, mask=mask)
+
+
+# ---------------------------------------------------------------- messages
+
+@dataclass
+class CheckIn:
+    """A device announces itself and whether it may train now (sent on connect and after each report)."""
+
+    device_id: str
+    capabilities: dict[str, Any]
+    programs: list[str] = field(default_factory=list)
+    n_samples: int = 0
+    kind = "checkin"
+
+
+@dataclass
+class Plan:
+    """One device's work for one round: weights already sliced for it, hyperparameters, a seed."""
+
+    task_id: str
+    round: int
+    device_id: str
+    deadline: float
+    strategy: str
+    runtime: str
+    program_hash: str
+    weights: dict[str, np.ndarray]
+    hparams: dict[str, Any]
+    seed: int
+    upload: dict[str, Any] = field(default_factory=dict)
+    program: bytes | None = None
+    kind = "plan"
+
+
+@dataclass
+class Report:
+    """A device's update: sample count, metrics, per tensor a group mask and only the active values."""
+
+    task_id: str
+    device_id: str
+    n_samples: int
+    metrics: dict[str, Any]
+    tensors: dict[str, TensorUpdate]
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    kind = "report"
+
+    @property
+    def report_id(self) -> str:
+        return f"{self.task_id}:{self.device_id}"
+
+
+@dataclass
+class Ack:
+    """The coordinator's answer to a report, so the device can stop retrying."""
+
+    task_id: str
+    device_id: str
+    status: str  # accepted | duplicate | late | rejected
+    reason: str = ""
+    kind = "ack"
+
+
+@dataclass
+class Status:
+    """Presence (retained, with an 'offline' last will)."""
+
+    device_id: str
+    state: str  # online | offline | training | idle
+    ts: float = 0.0
+    kind = "status"
+
+
+@dataclass
+class Chunk:
+    """One piece of a message too large for one publish; see :class:`Reassembler`."""
+
+    msg_id: str
+    index: int
+    count: int
+    total: int
+    data: bytes
+    kind = "chunk"
+
+
+ACK_STATUSES = {"accepted", "duplicate", "late", "rejected"}
+STATUS_STATES = {"online", "offline", "training", "idle"}
+Message = CheckIn | Plan | Report | Ack | Status | Chunk
+
+
+def _enc_checkin(m: CheckIn) -> dict:
+    return {"device_id": m.device_id, "caps": m.capabilities, "programs": list(m.programs), "n": m.n_samples}
+
+
+def _dec_checkin(d: dict, w: str) -> CheckIn:
+    _only(d, {"v", "k", "device_id", "caps", "programs", "n"}, w)
+    progs = _need(d, "programs", list, w)
+    if len(progs) > 1024 or not all(isinstance(p, str) and ID_RE.match(p) for p in progs):
+        raise WireError(f"{w}: bad program list")
+    n = _need(d, "n", int, w)
+    if n < 0:
+        raise WireError(f"{w}: negative sample count")
+    return CheckIn(_id(d, "device_id", w), _scalars(d.get("caps"), f"{w}.caps"), progs, n)
+
+
+def _enc_plan(m: Plan) -> dict:
+    return {
+        "task_id": m.task_id, "round": m.round, "device_id": m.device_id, "deadline": float(m.deadline),
+        "strategy": m.strategy, "runtime": m.runtime, "program_hash": m.program_hash,
+        "weights": {k: pack_array(v) for k, v in m.weights.items()}, "hparams": m.hparams, "seed": m.seed,
+        "upload": m.upload, "program": m.program,
+    }
+
+
+def _dec_plan(d: dict, w: str) -> Plan:
+    _only(d, {"v", "k", "task_id", "round", "device_id", "deadline", "strategy", "runtime", "program_hash",
+              "weights", "hparams", "seed", "upload", "program"}, w)
+    prog = d.get("program")
+    if prog is not None and not isinstance(prog, bytes):
+        raise WireError(f"{w}: program is not bytes")
+    seed = _need(d, "seed", int, w)
+    rnd = _need(d, "round", int, w)
+    if not 0 <= seed < 2**63 or rnd < 0:
+        raise WireError(f"{w}: seed or round out of range")
+    return Plan(
+        task_id=_id(d, "task_id", w), round=rnd, device_id=_id(d, "device_id", w),
+        deadline=_num(d, "deadline", w), strategy=_need(d, "strategy", str, w),
+        runtime=_need(d, "runtime", str, w), program_hash=_id(d, "program_hash", w),
+        weights=_arrays(d.get("weights"), f"{w}.weights"), hparams=_scalars(d.get("hparams"), f"{w}.hparams"),
+        seed=seed, upload=_scalars(d.get("upload"), f"{w}.upload"), program=prog,
+    )
+
+
+def _enc_report(m: Report) -> dict:
+    return {
+        "task_id": m.task_id, "device_id": m.device_id, "n": m.n_samples, "metrics": m.metrics,
+        "tensors": {k: pack_update(t) for k, t in m.tensors.items()},
+        "extras": {k: pack_array(v) for k, v in m.extras.items()},
+    }
+
+
+def _dec_report(d: dict, w: str) -> Report:
+    _only(d, {"v", "k", "task_id", "device_id", "n", "metrics", "tensors", "extras"}, w)
+    n = _need(d, "n", int, w)
+    if n <= 0:
+        raise WireError(f"{w}: sample count must be positive")
+    tens = d.get("tensors")
+    if not isinstance(tens, dict) or len(tens) > MAX_TENSORS:
+        raise WireError(f"{w}: tensors is not a map")
+    tensors = {}
+    for k, v in tens.items():
+        if not isinstance(k, str) or not k or len(k) > MAX_STR:
+            raise WireError(f"{w}: bad tensor name {k!r}")
+        tensors[k] = unpack_update(v, f"{w}.tensors[{k}]")
+    return Report(_id(d, "task_id", w), _id(d, "device_id", w), n, _scalars(d.get("metrics"), f"{w}.metrics"),
+                  tensors, _arrays(d.get("extras", {}), f"{w}.extras"))
+
+
+def _enc_ack(m: Ack) -> dict:
+    return {"task_id": m.task_id, "device_id": m.device_id, "status": m.status, "reason": m.reason}
+
+
+def _dec_ack(d: dict, w: str) -> Ack:
+    _only(d, {"v", "k", "task_id", "device_id", "status", "reason"}, w)
+    st = _need(d, "status", str, w)
+    if st not in ACK_STATUSES:
+        raise WireError(f"{w}: unknown ack status {st!r}")
+    return Ack(_id(d, "task_id", w), _id(d, "device_id", w), st, _need(d, "reason", str, w))
+
+
+def _enc_status(m: Status) -> dict:
+    return {"device_id": m.device_id, "state": m.state, "ts": float(m.ts)}
+
+
+def _dec_status(d: dict, w: str) -> Status:
+    _only(d, {"v", "k", "device_id", "state", "ts"}, w)
+    st = _need(d, "state", str, w)
+    if st not in STATUS_STATES:
+        raise WireError(f"{w}: unknown state {st!r}")
+    return Status(_id(d, "device_id", w), st, _num(d, "ts", w))
+
+
+def _enc_chunk(m: Chunk) -> dict:
+    return {"id": m.msg_id, "i": m.index, "n": m.count, "t": m.total, "b": m.data}
+
+
+def _dec_chunk(d: dict, w: str) -> Chunk:
+    _only(d, {"v", "k", "id", "i", "n", "t", "b"}, w)
+    i, n, t = (_need(d, key, int, w) for key in ("i", "n", "t"))
+    data = _need(d, "b", bytes, w)
+    if not (0 <= i < n <= 1 << 20) or t < 0:
+        raise WireError(f"{w}: chunk {i} of {n} is out of range")
+    return Chunk(_id(d, "id", w), i, n, t, data)
+
+
+_CODECS: dict[str, tuple[type, Callable, Callable]] = {
+    "checkin": (CheckIn, _enc_checkin, _dec_checkin),
+    "plan": (Plan, _enc_plan, _dec_plan),
+    "report": (Report, _enc_report, _dec_report),
+    "ack": (Ack, _enc_ack, _dec_ack),
+    "status": (Status, _enc_status, _dec_status),
+    "chunk": (Chunk, _enc_chunk, _dec_chunk),
+}
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise a message; ``len()`` of the result is its exact wire size (before MQTT framing)."""
+    body = _CODECS[msg.kind][1](msg)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "k": msg.kind, **body}, use_bin_type=True)
+
+
+def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: tuple[str, ...] | None = None) -> Message:
+    """Parse and validate one message, or raise :class:`WireError` saying why it must be dropped."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError("payload is not bytes")
+    if len(data) > max_bytes:
+        raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
+                            use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"malformed msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(d, dict):
+        raise WireError("message is not a map")
+    if d.get("v") != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {d.get('v')!r}, expected {PROTOCOL_VERSION}")
+    kind = d.get("k")
+    if kind not in _CODECS:
+        raise WireError(f"unknown message kind {kind!r}")
+    if expect is not None and kind not in expect:
+        raise WireError(f"unexpected message kind {kind!r} (expected {', '.join(expect)})")
+    try:
+        return _CODECS[kind][2](d, kind)
+    except WireError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise WireError(f"{kind}: {type(e).__name__}: {e}") from None
+
+
+# ---------------------------------------------------------------- chunking
+
+def split(payload: bytes, msg_id: str, chunk_bytes: int) -> list[bytes]:
+    """The payload itself if it fits, else encoded :class:`Chunk` messages of at most ``chunk_bytes`` data."""
+    if len(payload) <= chunk_bytes:
+        return [payload]
+    n = -(-len(payload) // chunk_bytes)
+    return [encode(Chunk(msg_id, i, n, len(payload), payload[i * chunk_bytes:(i + 1) * chunk_bytes])) for i in range(n)]
+
+
+class Reassembler:
+    """Collects chunks per (sender, msg id) and yields whole payloads; drops transfers that stall.
+
+    Pure: the caller passes the current time, so tests need no clock. Memory is bounded by
+    ``max_bytes`` per transfer and ``max_open`` transfers at once.
+    """
+
+    def __init__(self, *, timeout_s: float = 60.0, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_open: int = 1024):
+        self.timeout_s, self.max_bytes, self.max_open = timeout_s, max_bytes, max_open
+        self._open: dict[tuple[str, str], dict] = {}
+
+    def feed(self, sender: str, chunk: Chunk, now: float) -> bytes | None:
+        key = (sender, chunk.msg_id)
+        st = self._open.get(key)
+        if st is None:
+            if chunk.total > self.max_bytes:
+                raise WireError(f"chunked message of {chunk.total} bytes exceeds the limit of {self.max_bytes}")
+            if len(self._open) >= self.max_open:
+                raise WireError("too many incomplete chunked transfers")
+            st = self._open[key] = {"n": chunk.count, "t": chunk.total, "parts": {}, "size": 0, "last": now}
+        if chunk.count != st["n"] or chunk.total != st["t"]:
+            del self._open[key]
+            raise WireError(f"chunk {chunk.index} of {chunk.msg_id} disagrees with earlier chunks")
+        if chunk.index not in st["parts"]:
+            st["parts"][chunk.index] = chunk.data
+            st["size"] += len(chunk.data)
+            if st["size"] > st["t"]:
+                del self._open[key]
+                raise WireError(f"chunks of {chunk.msg_id} exceed the announced size")
+        st["last"] = now
+        if len(st["parts"]) < st["n"]:
+            return None
+        del self._open[key]
+        payload = b"".join(st["parts"][i] for i in range(st["n"]))
+        if len(payload) != st["t"]:
+            raise WireError(f"reassembled {len(payload)} bytes, announced {st['t']}")
+        return payload
+
+    def expire(self, now: float) -> list[tuple[str, str]]:
+        """Forget transfers idle for longer than the timeout; returns their (sender, msg id)."""
+        dead = [k for k, st in self._open.items() if now - st["last"] > self.timeout_s]
+        for k in dead:
+            del self._open[k]
+        return dead
+
+    @property
+    def open_transfers(self) -> int:
+        return len(self._open)
+
+
+def topic(fleet: str, kind: str, ident: str) -> str:
+    """``fedge/v1/<fleet>/<kind>/<id>``: the whole topic tree (kinds: checkin plan ack program report status)."""
+    return f"fedge/v1/{fleet}/{kind}/{ident}"
+
+
+def parse_topic(t: str) -> tuple[str, str, str]:
+    """(fleet, kind, id) of a fedge topic, or WireError."""
+    parts = t.split("/")
+    if len(parts) != 5 or parts[:2] != ["fedge", "v1"]:
+        raise WireError(f"not a fedge topic: {t!r}")
+    return parts[2], parts[3], parts[4]

@@ -1,0 +1,116 @@
+"""Shared fixtures: an in-memory bus that runs the sans-I/O cores together without a broker."""
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import numpy as np
+import pytest
+
+from coordinator import rounds as R
+from coordinator.daemon import ProgramCatalog
+from coordinator.rounds import RoundConfig, RoundMachine
+from coordinator.strategies.fedavg import FedAvg
+from edge import agent as A
+from edge.client import run_plan
+from edge.model import mlp
+from edge.trainers import make_trainer
+from edge.program import ProgramCache
+
+SPEC = mlp([64, 16, 10])
+
+
+def shard(i: int, n: int = 30, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed * 1000 + i)
+    y = rng.integers(0, 10, n)
+    x = (rng.normal(size=(n, 64)) * 0.3 + y[:, None] * 0.05).astype(np.float32)
+    return x, y
+
+
+class Bus:
+    """Delivers each core's Publish actions to the others, in order, like a broker would (QoS 1, no loss).
+
+    Devices train synchronously when told to. ``drop`` lets a test lose messages on chosen topics.
+    """
+
+    def __init__(self, machine: RoundMachine, agents: dict[str, A.DeviceAgent], data: dict, tmp_path, now=1000.0):
+        self.m, self.agents, self.data = machine, agents, data
+        self.now = now
+        self.queue: list[tuple[str, bytes]] = []
+        self.log: list[tuple[str, bytes]] = []
+        self.persisted: list[R.Persist] = []
+        self.committed: list[dict] = []
+        self.hold_training: set[str] = set()  # devices that train but do not answer (stragglers)
+        self.dead: set[str] = set()
+        self.caches = {d: ProgramCache(tmp_path / d) for d in agents}
+        self.trainers: dict[str, object] = {}
+
+    def _device_actions(self, dev: str, actions) -> None:
+        for a in actions:
+            if isinstance(a, A.Publish):
+                self.queue.append((a.topic, a.payload))
+            elif isinstance(a, A.StoreProgram):
+                self.caches[dev].put(a.data)
+            elif isinstance(a, A.StartTraining):
+                if dev in self.hold_training:
+                    continue
+                t = self.trainers.get(dev)
+                if t is None:
+                    t = self.trainers[dev] = make_trainer("torch")
+                    t.load(self.caches[dev].get(a.plan.program_hash))
+                rep = run_plan(a.plan, t, *self.data[dev])
+                self._device_actions(dev, self.agents[dev].training_done(rep, self.now))
+
+    def _machine_actions(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, R.Publish):
+                self.queue.append((a.topic, a.payload))
+            elif isinstance(a, R.Persist):
+                self.persisted.append(a)
+            elif isinstance(a, R.RoundCommitted):
+                self.committed.append(a.summary)
+
+    def connect_all(self) -> None:
+        for d, ag in self.agents.items():
+            self._device_actions(d, ag.connected(self.now))
+        self.pump()
+
+    def pump(self, limit: int = 100000) -> None:
+        n = 0
+        while self.queue and n < limit:
+            topic, payload = self.queue.pop(0)
+            self.log.append((topic, payload))
+            n += 1
+            kind = topic.split("/")[3]
+            ident = topic.split("/")[4]
+            if kind in ("checkin", "report", "status"):
+                self._machine_actions(self.m.receive(topic, payload, self.now))
+            elif ident in self.agents and ident not in self.dead:
+                self._device_actions(ident, self.agents[ident].received(topic, payload, self.now))
+
+    def tick(self, dt: float = 0.0) -> None:
+        self.now += dt
+        self._machine_actions(self.m.tick(self.now))
+        for d, ag in self.agents.items():
+            if d not in self.dead:
+                self._device_actions(d, ag.tick(self.now))
+        self.pump()
+
+
+def make_bus(tmp_path, n_devices=6, *, rounds=3, per_round=4, over=1.0, min_reports=0, timeout=30.0, seed=0,
+             strategy=None, caps=None) -> Bus:
+    strategy = strategy or FedAvg(spec=SPEC, lr=0.1, epochs=1, batch_size=10)
+    cfg = RoundConfig(rounds=rounds, clients_per_round=per_round, over_selection=over, min_reports=min_reports,
+                      round_timeout_s=timeout, selection_timeout_s=5.0, seed=seed)
+    m = RoundMachine(cfg, strategy, strategy.init(seed), ProgramCatalog(), now=1000.0)
+    ids = [f"d{i}" for i in range(n_devices)]
+    base_caps = {"runtime": "torch", "charging": True, "network": "wifi", "idle": True, "memory_mb": 1024}
+    data = {d: shard(i, seed=seed) for i, d in enumerate(ids)}
+    agents = {d: A.DeviceAgent(A.AgentConfig(d, capabilities=dict(base_caps | (caps or {}).get(d, {}))),
+                               n_samples=len(data[d][0])) for d in ids}
+    return Bus(m, agents, data, tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog):
+    caplog.set_level(logging.INFO)

@@ -1,0 +1,286 @@
+"""The round state machine driven with no broker: selection, deadlines, stragglers, bad input, recovery."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from coordinator import rounds as R
+from coordinator.daemon import ProgramCatalog
+from coordinator.registry import Eligibility
+from coordinator.rounds import RoundConfig, RoundMachine
+from coordinator.selection import device_seed, select
+from coordinator.store import Store
+from coordinator.strategies.base import DevicePlan, ServerState
+from coordinator.strategies.fedavg import FedAvg
+from edge import wire
+from edge.client import run_plan
+from edge.trainers import make_trainer
+from edge.program import torch_program
+from edge.wire import Report, TensorUpdate
+
+from conftest import SPEC, make_bus
+
+
+def reports_on(bus, kind="report"):
+    return [(t, p) for t, p in bus.log if t.split("/")[3] == kind]
+
+
+def test_commits_all_rounds_and_counts_exact_bytes(tmp_path):
+    bus = make_bus(tmp_path, 6, rounds=3, per_round=4)
+    bus.connect_all()
+    for _ in range(5):
+        bus.tick(0.1)
+    assert [s["round"] for s in bus.committed] == [1, 2, 3]
+    assert bus.m.finished and bus.m.state.round == 3
+    plans = [p for t, p in bus.log if "/plan/" in t]
+    reps = reports_on(bus)
+    assert sum(s["bytes_down"] for s in bus.committed) == sum(len(p) for p in plans)
+    assert sum(s["bytes_up"] for s in bus.committed) == sum(len(p) for _, p in reps)
+    # The torch program is sent once per device, then only its hash.
+    per_device: dict[str, list[bool]] = {}
+    for t, p in bus.log:
+        if "/plan/" in t:
+            per_device.setdefault(t, []).append(wire.decode(p).program is not None)
+    assert all(has[0] and not any(has[1:]) for has in per_device.values())
+    assert any(len(has) > 1 for has in per_device.values())
+
+
+def test_over_selection_commits_at_target_and_drops_late_reports(tmp_path, caplog):
+    bus = make_bus(tmp_path, 10, rounds=1, per_round=4, over=1.5)  # 6 selected, 4 needed
+    bus.hold_training = {f"d{i}" for i in range(10)}
+    bus.connect_all()
+    bus.tick(0.1)
+    sel = bus.m.open.selected
+    assert len(sel) == 6
+    # Let them finish one by one; the round commits at the 4th.
+    from edge.client import run_plan as rp
+    for i, d in enumerate(sel):
+        ag = bus.agents[d]
+        t = make_trainer("torch"); t.load(bus.caches[d].get(ag.task.program_hash))
+        bus._device_actions(d, ag.training_done(rp(ag.task, t, *bus.data[d]), bus.now))
+        bus.pump()
+        if i == 3:
+            assert len(bus.committed) == 1 and bus.committed[0]["reports"] == 4
+    assert bus.committed[0]["dropped"] == 2
+    acks = [wire.decode(p) for t, p in bus.log if "/ack/" in t]
+    assert sorted(a.status for a in acks) == ["accepted"] * 4 + ["late"] * 2
+    assert "late report" in caplog.text
+    # The late devices stop retrying and check in again.
+    assert all(bus.agents[d].state == "idle" for d in sel)
+
+
+def test_deadline_with_too_few_reports_abandons_and_retries(tmp_path):
+    bus = make_bus(tmp_path, 6, rounds=1, per_round=4, over=1.0, min_reports=3, timeout=10)
+    bus.connect_all()
+    bus.hold_training = {f"d{i}" for i in range(6)}
+    bus.tick(0.1)
+    first = list(bus.m.open.selected)
+    bus.tick(11)  # deadline: 0 reports < 3
+    assert bus.m.open is None or bus.m.open.attempt == 2
+    assert any(p.what == "abandon" for p in bus.persisted)
+    assert not bus.committed
+    bus.hold_training = set()
+    # Devices held in training never answer; the ones not selected first are available for attempt 2.
+    for d in first:
+        bus.agents[d].state, bus.agents[d].task = "idle", None
+        bus._device_actions(d, bus.agents[d].connected(bus.now))
+    bus.pump()
+    for _ in range(3):
+        bus.tick(6)
+    assert bus.committed and bus.committed[0]["round"] == 1 and bus.committed[0]["attempts"] == 2
+
+
+def test_deadline_commits_with_min_reports(tmp_path):
+    bus = make_bus(tmp_path, 5, rounds=1, per_round=5, over=1.0, min_reports=3, timeout=10)
+    bus.hold_training = {"d0", "d1"}
+    bus.connect_all()
+    bus.tick(0.1)
+    assert not bus.committed  # 3 of 5 in, still waiting for the target
+    bus.tick(11)
+    assert bus.committed[0]["reports"] == 3 and bus.committed[0]["dropped"] == 2
+
+
+def test_device_going_offline_is_dropped_from_the_round(tmp_path):
+    bus = make_bus(tmp_path, 4, rounds=1, per_round=4, over=1.0, min_reports=3, timeout=1000)
+    bus.hold_training = {"d2"}
+    bus.connect_all()
+    bus.tick(0.1)
+    assert not bus.committed
+    # d2's broker publishes its last will.
+    bus.dead.add("d2")
+    bus.queue.append((wire.topic("default", "status", "d2"), wire.encode(wire.Status("d2", "offline"))))
+    bus.pump()
+    assert bus.committed and bus.committed[0]["reports"] == 3  # no need to wait for the deadline
+    assert "d2" not in bus.m.registry.eligible(Eligibility())
+
+
+def test_ineligible_devices_are_never_selected(tmp_path):
+    caps = {"d0": {"charging": False}, "d1": {"network": "cellular"}, "d2": {"idle": False}}
+    bus = make_bus(tmp_path, 6, rounds=2, per_round=3, caps=caps)
+    bus.connect_all()
+    for _ in range(4):
+        bus.tick(0.1)
+    plans = {t.split("/")[4] for t, _ in bus.log if "/plan/" in t}
+    assert plans == {"d3", "d4", "d5"}
+
+
+def _valid_report(bus, dev):
+    ag = bus.agents[dev]
+    t = make_trainer("torch")
+    t.load(bus.caches[dev].get(ag.task.program_hash))
+    return run_plan(ag.task, t, *bus.data[dev])
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda r: setattr(r, "device_id", "d3"), "wrote on the topic"),
+    (lambda r: r.tensors.pop("fc0.bias"), "do not match"),
+    (lambda r: r.tensors.__setitem__("fc0.bias", TensorUpdate((17,), np.zeros(17, np.float32))), "shape"),
+    (lambda r: setattr(r, "task_id", "r9a9"), "unknown task"),
+])
+def test_bad_reports_are_dropped_and_the_round_goes_on(tmp_path, caplog, mutate, reason):
+    bus = make_bus(tmp_path, 4, rounds=1, per_round=4, over=1.0, min_reports=3, timeout=100)
+    bus.hold_training = {"d0"}
+    bus.connect_all()
+    bus.tick(0.1)
+    bad = _valid_report(bus, "d0")
+    mutate(bad)
+    bus.queue.append((wire.topic("default", "report", "d0"), wire.encode(bad)))
+    bus.pump()
+    assert reason in caplog.text
+    assert bus.m.open is None or "d0" not in bus.m.open.accepted
+    bus.tick(101)
+    assert bus.committed and bus.committed[0]["reports"] == 3
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x00garbage", b"", wire.encode(wire.Status("d0", "online"))[:-3],
+    b"\x82\xa1v\x02\xa1k\xa6report",  # version 2
+])
+def test_malformed_messages_are_logged_and_dropped(tmp_path, caplog, payload):
+    bus = make_bus(tmp_path, 3, rounds=1, per_round=3)
+    bus.connect_all()
+    out = bus.m.receive(wire.topic("default", "report", "d0"), payload, bus.now)
+    assert out == [] and "dropped message" in caplog.text
+    bus.tick(0.1)
+    assert bus.committed  # the daemon carried on
+
+
+def test_nan_report_is_rejected(tmp_path, caplog):
+    bus = make_bus(tmp_path, 3, rounds=1, per_round=3, min_reports=2, timeout=50)
+    bus.hold_training = {"d0"}
+    bus.connect_all()
+    bus.tick(0.1)
+    r = _valid_report(bus, "d0")
+    r.tensors["fc0.weight"].values[0, 0] = np.nan
+    bus.queue.append((wire.topic("default", "report", "d0"), wire.encode(r)))
+    bus.pump()
+    assert "non-finite" in caplog.text
+    assert "d0" not in bus.m.open.accepted
+
+
+def test_replayed_report_counts_once(tmp_path):
+    bus = make_bus(tmp_path, 3, rounds=1, per_round=3, timeout=50)
+    bus.hold_training = {"d0", "d1"}
+    bus.connect_all()
+    bus.tick(0.1)
+    r = wire.encode(_valid_report(bus, "d0"))
+    for _ in range(3):
+        bus.queue.append((wire.topic("default", "report", "d0"), r))
+    bus.pump()
+    assert bus.m.open.accepted == {"d0", "d2"}
+    assert bus.m.open.acc.count == 2
+    assert [p.data["device_id"] for p in bus.persisted if p.what == "report"].count("d0") == 1
+    acks = [wire.decode(p).status for t, p in bus.log if "/ack/d0" in t]
+    assert acks == ["accepted", "duplicate", "duplicate"]
+
+
+def test_chunked_plans_and_reports_roundtrip(tmp_path):
+    bus = make_bus(tmp_path, 3, rounds=2, per_round=3)
+    bus.m.cfg.chunk_bytes = 1000
+    for ag in bus.agents.values():
+        ag.cfg.chunk_bytes = 700
+    bus.connect_all()
+    for _ in range(3):
+        bus.tick(0.1)
+    assert len(bus.committed) == 2
+    chunks = [wire.decode(p) for t, p in bus.log if "/report/" in t]
+    assert all(isinstance(c, wire.Chunk) for c in chunks)
+
+
+def test_fedavg_matches_numpy_reference(tmp_path):
+    """The committed global weights equal a sample-weighted mean of locally trained weights (Eq. 10-11)."""
+    bus = make_bus(tmp_path, 5, rounds=1, per_round=5, over=1.0)
+    w0 = {k: v.copy() for k, v in bus.m.state.weights.items()}
+    bus.connect_all()
+    bus.tick(0.1)
+    # reference: train each device from w0 with its plan seed and average by sample count in numpy
+    t = make_trainer("torch")
+    t.load(torch_program(SPEC).data)
+    from edge.training import local_train
+    acc, total = {k: 0.0 for k in w0}, 0
+    for d in sorted(bus.agents):
+        x, y = bus.data[d]
+        t.set_weights(w0)
+        local_train(t, x, y, epochs=1, batch_size=10, lr=0.1, seed=device_seed(0, 1, d))
+        w = t.get_weights()
+        for k in acc:
+            acc[k] = acc[k] + len(x) * w[k].astype(np.float64)
+        total += len(x)
+    for k, v in bus.m.state.weights.items():
+        np.testing.assert_allclose(v, acc[k] / total, atol=1e-6, rtol=0)
+        assert np.abs(v - w0[k]).max() > 1e-4  # training moved the weights
+
+
+def test_fedavg_server_lr_is_a_step_on_the_mean_difference():
+    s = FedAvg(spec=SPEC, server_lr=0.5)
+    st = ServerState(0, {"a": np.ones(3, np.float32)})
+    acc = s.begin(st)
+    plan = DevicePlan(st.weights, {}, {}, SPEC)
+    for n, val in ((1, 3.0), (3, 7.0)):
+        s.accumulate(st, acc, plan, Report("r1a1", "d0", n, {}, {"a": TensorUpdate((3,), np.full(3, val, np.float32))}))
+    new = s.finish(st, acc)
+    # mean = (3 + 21)/4 = 6; w + 0.5 * (6 - 1) = 3.5
+    np.testing.assert_allclose(new.weights["a"], 3.5)
+
+
+def test_selection_is_seeded_and_without_replacement():
+    ids = [f"d{i}" for i in range(50)]
+    a = select(ids, 13, seed=1, round_=4, attempt=1)
+    assert a == select(list(reversed(ids)), 13, seed=1, round_=4, attempt=1)
+    assert len(set(a)) == 13
+    assert a != select(ids, 13, seed=1, round_=4, attempt=2)
+
+
+def test_restart_from_store_keeps_accepted_reports(tmp_path):
+    """Crash after two accepted reports: a machine rebuilt from SQLite finishes the round with them."""
+    bus = make_bus(tmp_path, 4, rounds=2, per_round=4, over=1.0, timeout=100)
+    store = Store(tmp_path / "s.sqlite")
+    store.save_initial_state(bus.m.state)
+    bus.hold_training = {"d2", "d3"}
+    bus.connect_all()
+    bus.tick(0.1)
+    for p in bus.persisted:
+        store.apply(p.what, p.data)
+    assert len(bus.m.open.accepted) == 2
+    store.close()
+
+    # "restart": a new machine from the store only
+    store = Store(tmp_path / "s.sqlite")
+    strategy = bus.m.strategy
+    m2 = RoundMachine(bus.m.cfg, strategy, store.latest_state(), ProgramCatalog(), now=bus.now)
+    for d in store.devices():
+        m2.registry.checkin(d["device_id"], d["caps"], d["programs"], d["n"], bus.now)
+    info, reps = store.open_round()
+    m2.restore_open(info, reps)
+    assert m2.open.accepted == bus.m.open.accepted
+    np.testing.assert_array_equal(m2.open.acc.sums["fc0.weight"], bus.m.open.acc.sums["fc0.weight"])
+    # the held devices now report to the restarted machine
+    bus.m = m2
+    bus.hold_training = set()
+    for d in ("d2", "d3"):
+        ag = bus.agents[d]
+        bus._device_actions(d, ag.training_done(_valid_report(bus, d), bus.now))
+    bus.pump()
+    assert bus.committed[-1]["round"] == 1 and bus.committed[-1]["reports"] == 4

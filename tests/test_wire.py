@@ -1,0 +1,183 @@
+"""Wire protocol: round trips, strict rejection, chunking, mask encoding."""
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from edge import wire
+from edge.wire import Ack, CheckIn, Chunk, Plan, Report, Status, TensorUpdate, WireError
+
+ids = st.from_regex(wire.ID_RE, fullmatch=True)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+scalars = st.dictionaries(st.text(max_size=20), st.one_of(st.integers(-2**40, 2**40), finite, st.text(max_size=30),
+                                                           st.booleans()), max_size=6)
+
+
+@st.composite
+def arrays(draw, dtype=np.float32, max_rows=6):
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)))
+    n = math.prod(shape)
+    vals = draw(st.lists(finite, min_size=n, max_size=n))
+    return np.array(vals, dtype=dtype).reshape(shape)
+
+
+@st.composite
+def updates(draw):
+    rows = draw(st.integers(1, 40))
+    cols = draw(st.integers(1, 4))
+    mask = None if draw(st.booleans()) else np.array(draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    n = rows if mask is None else int(mask.sum())
+    vals = np.array(draw(st.lists(finite, min_size=n * cols, max_size=n * cols)), np.float32).reshape(n, cols)
+    return TensorUpdate((rows, cols), vals, mask)
+
+
+messages = st.one_of(
+    st.builds(CheckIn, ids, scalars, st.lists(st.from_regex(r"^[0-9a-f]{64}$", fullmatch=True), max_size=3),
+              st.integers(0, 10**6)),
+    st.builds(Plan, ids, st.integers(0, 10**6), ids, finite, st.text(max_size=10), st.sampled_from(["torch", "ort"]),
+              st.from_regex(r"^[0-9a-f]{64}$", fullmatch=True), st.dictionaries(st.text(min_size=1, max_size=8), arrays(), max_size=3),
+              scalars, st.integers(0, 2**63 - 1), scalars, st.one_of(st.none(), st.binary(max_size=50))),
+    st.builds(Report, ids, ids, st.integers(1, 10**6), scalars,
+              st.dictionaries(st.text(min_size=1, max_size=8), updates(), max_size=3),
+              st.dictionaries(st.text(min_size=1, max_size=8), arrays(), max_size=2)),
+    st.builds(Ack, ids, ids, st.sampled_from(sorted(wire.ACK_STATUSES)), st.text(max_size=40)),
+    st.builds(Status, ids, st.sampled_from(sorted(wire.STATUS_STATES)), finite),
+)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, TensorUpdate):
+        return a.shape == b.shape and same(a.values, b.values) and (
+            (a.mask is None and b.mask is None) or (a.mask is not None and b.mask is not None and np.array_equal(a.mask, b.mask)))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages)
+def test_round_trip(msg):
+    assert same(msg, wire.decode(wire.encode(msg)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages, st.data())
+def test_mutated_bytes_raise_only_wire_error(msg, data):
+    """Flip, cut or extend the bytes anywhere: decoding either fails with WireError or yields a valid message."""
+    buf = bytearray(wire.encode(msg))
+    op = data.draw(st.sampled_from(["flip", "cut", "extend"]))
+    if op == "flip" and buf:
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] ^= data.draw(st.integers(1, 255))
+    elif op == "cut":
+        buf = buf[: data.draw(st.integers(0, max(0, len(buf) - 1)))]
+    else:
+        buf += data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        out = wire.decode(bytes(buf))
+    except WireError:
+        return
+    assert type(out).__name__ in {"CheckIn", "Plan", "Report", "Ack", "Status", "Chunk"}
+
+
+def _report(**kw):
+    r = Report("r1a1", "d0", 10, {"loss": 1.0}, {"w": TensorUpdate((3, 2), np.ones((3, 2), np.float32))})
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def _raw(d):
+    return msgpack.packb(d, use_bin_type=True)
+
+
+@pytest.mark.parametrize("payload, match", [
+    (lambda: _raw({"v": 2, "k": "ack"}), "protocol version"),
+    (lambda: _raw({"v": 1, "k": "nope"}), "unknown message kind"),
+    (lambda: _raw([1, 2]), "not a map"),
+    (lambda: b"\xc1", "malformed"),
+    (lambda: wire.encode(_report(device_id="a/b")), "not a valid id"),
+    (lambda: wire.encode(_report(device_id="+")), "not a valid id"),
+    (lambda: wire.encode(_report(n_samples=0)), "sample count"),
+    (lambda: wire.encode(_report(metrics={"loss": float("nan")})), "not finite"),
+    (lambda: wire.encode(_report(tensors={"w": TensorUpdate((3, 2), np.full((3, 2), np.inf, np.float32))})), "non-finite"),
+    (lambda: wire.encode(_report(tensors={"w": TensorUpdate((4, 2), np.ones((3, 2), np.float32))})), "mask says"),
+    (lambda: wire.encode(_report(tensors={"w": TensorUpdate((3, 2), np.ones((1, 2), np.float32),
+                                                            np.array([1, 1, 0], bool))})), "mask says"),
+    (lambda: _raw({"v": 1, "k": "ack", "task_id": "t", "device_id": "d", "status": "accepted", "reason": "",
+                   "extra": 1}), "unknown fields"),
+    (lambda: _raw({"v": 1, "k": "status", "device_id": "d", "state": "online", "ts": 0.0}) + b"", None),
+])
+def test_specific_rejections(payload, match):
+    data = payload()
+    if match is None:
+        wire.decode(data)  # the control case decodes
+        return
+    with pytest.raises(WireError, match=match):
+        wire.decode(data)
+
+
+def test_array_shape_and_bytes_must_agree():
+    rec = wire.pack_array(np.ones((2, 3), np.float32))
+    rec["s"] = [3, 3]
+    with pytest.raises(WireError, match="disagree"):
+        wire.unpack_array(rec, "x")
+    rec["s"] = [-1, 6]
+    with pytest.raises(WireError, match="bad shape"):
+        wire.unpack_array(rec, "x")
+
+
+def test_oversized_message_is_refused_before_parsing():
+    big = wire.encode(_report(tensors={"w": TensorUpdate((1000, 10), np.ones((1000, 10), np.float32))}))
+    with pytest.raises(WireError, match="exceeds"):
+        wire.decode(big, max_bytes=len(big) - 1)
+
+
+def test_mask_goes_as_the_smaller_of_bits_and_indices():
+    rows = 1000
+    sparse = np.zeros(rows, bool); sparse[[3, 500]] = True
+    dense = np.ones(rows, bool); dense[7] = False
+    for mask, key in ((sparse, "i"), (dense, "m")):
+        t = TensorUpdate((rows, 2), np.ones((int(mask.sum()), 2), np.float32), mask)
+        rec = wire.pack_update(t)
+        assert key in rec
+        assert np.array_equal(wire.unpack_update(rec, "t").mask, mask)
+    assert len(wire.pack_update(TensorUpdate((rows, 2), np.ones((2, 2), np.float32), sparse))["i"]) == 4
+
+
+def test_chunking_reassembles_in_any_order_and_counts_bytes():
+    payload = bytes(range(256)) * 100
+    parts = wire.split(payload, "m1", 1000)
+    assert len(parts) == 26
+    r = wire.Reassembler()
+    got = None
+    for p in reversed(parts):
+        got = r.feed("dev", wire.decode(p), now=0.0) or got
+    assert got == payload and r.open_transfers == 0
+    assert wire.split(b"small", "m2", 1000) == [b"small"]
+
+
+def test_incomplete_transfer_times_out_and_oversize_is_refused():
+    parts = wire.split(b"x" * 5000, "m1", 1000)
+    r = wire.Reassembler(timeout_s=10, max_bytes=10_000)
+    r.feed("dev", wire.decode(parts[0]), now=0.0)
+    assert r.expire(5.0) == [] and r.open_transfers == 1
+    assert r.expire(11.0) == [("dev", "m1")] and r.open_transfers == 0
+    with pytest.raises(WireError, match="exceeds"):
+        wire.Reassembler(max_bytes=4000).feed("dev", wire.decode(parts[0]), 0.0)
+    bad = Chunk("m1", 1, 5, 9999, b"y")
+    r.feed("dev", wire.decode(parts[0]), now=20.0)
+    with pytest.raises(WireError, match="disagrees"):
+        r.feed("dev", bad, now=20.0)
