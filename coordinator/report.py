@@ -10,7 +10,7 @@ def run_report(*, strategy: str, runtime: str, devices: int, clients_per_round: 
                wall_s: float, **extra: Any) -> dict[str, Any]:
     keys = ("round", "accuracy", "loss", "bytes_down", "bytes_up", "reports", "dropped", "wall_s")
     rows = [{k: r.get(k) for k in keys} | {k: v for k, v in r.items() if k not in keys and k not in
-                                            ("attempts", "selected", "accepted")} for r in rounds]
+                                            ("attempts", "selected", "accepted", "task_id")} for r in rounds]
     return {"strategy": strategy, "runtime": runtime, "devices": devices, "clients_per_round": clients_per_round,
             "rounds": rows, "final_accuracy": rows[-1]["accuracy"] if rows else None,
             "total_bytes": sum(r["bytes_down"] + r["bytes_up"] for r in rows), "wall_s": wall_s, **extra}

@@ -280,7 +280,7 @@ class RoundMachine:
     def _commit(self, now: float) -> list[Action]:
         o = self._close(now)
         self.state = self.strategy.finish(self.state, o.acc)
-        summary = {"round": o.round, "attempts": o.attempt, "reports": len(o.accepted),
+        summary = {"round": o.round, "task_id": o.task_id, "attempts": o.attempt, "reports": len(o.accepted),
                    "selected": len(o.selected), "dropped": len(o.selected) - len(o.accepted),
                    "accepted": sorted(o.accepted),
                    "bytes_down": o.bytes_down + self.carry_bytes[0], "bytes_up": o.bytes_up + self.carry_bytes[1],

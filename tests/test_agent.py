@@ -1,0 +1,107 @@
+"""The device agent's sans-I/O core, driven by hand."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from edge import agent as A
+from edge import wire
+from edge.program import torch_program
+from edge.wire import Ack, Plan, Report, TensorUpdate
+
+from conftest import SPEC
+
+PROG = torch_program(SPEC)
+
+
+def make_agent(**kw) -> A.DeviceAgent:
+    return A.DeviceAgent(A.AgentConfig("d1", capabilities={"runtime": "torch"}, ack_timeout_s=2.0, **kw), n_samples=30)
+
+
+def plan(task="r1a1", device="d1", deadline=100.0, program=PROG.data) -> bytes:
+    return wire.encode(Plan(task, 1, device, deadline, "fedavg", "torch", PROG.hash, {"w": np.zeros(2, np.float32)},
+                            {"lr": 0.1}, 3, {}, program))
+
+
+def kinds(actions):
+    return [(type(a).__name__, a.topic.split("/")[3] if isinstance(a, A.Publish) else None) for a in actions]
+
+
+def report(task="r1a1") -> Report:
+    return Report(task, "d1", 30, {}, {"w": TensorUpdate((2,), np.ones(2, np.float32))})
+
+
+def test_connect_announces_presence_and_checks_in():
+    ag = make_agent()
+    out = ag.connected(0.0)
+    assert kinds(out) == [("Publish", "status"), ("Publish", "checkin")]
+    assert out[0].retain and wire.decode(out[0].payload).state == "online"
+    topic, will = ag.last_will()
+    assert topic.endswith("/status/d1") and wire.decode(will).state == "offline"
+
+
+def test_plan_train_report_ack_cycle():
+    ag = make_agent()
+    ag.connected(0.0)
+    out = ag.received(wire.topic("default", "plan", "d1"), plan(), 1.0)
+    assert [type(a).__name__ for a in out] == ["StoreProgram", "Publish", "StartTraining"]
+    assert ag.state == "training"
+    # The same plan delivered again (QoS 1) is not trained twice.
+    assert ag.received(wire.topic("default", "plan", "d1"), plan(), 1.5) == []
+    out = ag.training_done(report(), 2.0)
+    assert kinds(out) == [("Publish", "report")] and ag.state == "reporting"
+    assert ag.tick(3.0) == []  # before the ack timeout
+    resent = ag.tick(4.1)
+    assert kinds(resent) == [("Publish", "report")] and resent[0].payload == out[0].payload
+    out = ag.received(wire.topic("default", "ack", "d1"), wire.encode(Ack("r1a1", "d1", "accepted")), 5.0)
+    assert ag.state == "idle" and ("Publish", "checkin") in kinds(out)
+    assert ag.received(wire.topic("default", "plan", "d1"), plan(), 6.0) == []  # done tasks stay done
+
+
+def test_retries_back_off_and_give_up_after_the_deadline():
+    ag = make_agent(report_grace_s=10.0)
+    ag.connected(0.0)
+    ag.received(wire.topic("default", "plan", "d1"), plan(deadline=20.0), 1.0)
+    ag.training_done(report(), 2.0)
+    sends = [t for t in np.arange(2.0, 40.0, 0.5) if kinds(ag.tick(float(t))) == [("Publish", "report")]]
+    gaps = np.diff([2.0] + sends)
+    assert list(gaps[:3]) == [2.0, 4.0, 8.0]  # ack timeout doubling
+    assert ag.state == "idle"  # gave up at deadline + grace
+
+
+def test_bad_plans_are_dropped(caplog):
+    ag = make_agent()
+    ag.connected(0.0)
+    assert ag.received(wire.topic("default", "plan", "d1"), plan(device="d2"), 1.0) == []
+    assert ag.received(wire.topic("default", "plan", "d1"), plan(deadline=0.5), 1.0) == []
+    assert ag.received(wire.topic("default", "plan", "d1"), b"\x93garbage", 1.0) == []
+    assert ag.received(wire.topic("default", "plan", "d1"), plan(program=b"not the program"), 1.0) == []
+    # a plan without the program, for a program the device lacks: it checks in again (with its program list)
+    out = ag.received(wire.topic("default", "plan", "d1"), plan(program=None), 1.0)
+    assert kinds(out) == [("Publish", "checkin")]
+    assert ag.state == "idle"
+    assert "arrived after its deadline" in caplog.text and "does not match its hash" in caplog.text
+    assert "malformed" in caplog.text
+
+
+def test_failed_training_sends_nothing_and_returns_to_idle():
+    ag = make_agent()
+    ag.connected(0.0)
+    ag.received(wire.topic("default", "plan", "d1"), plan(), 1.0)
+    out = ag.training_done(None, 2.0, "RuntimeError: out of memory")
+    assert ("Publish", "report") not in kinds(out) and ag.state == "idle"
+
+
+def test_idle_device_heartbeats():
+    ag = make_agent(heartbeat_s=10.0)
+    ag.connected(0.0)
+    assert ag.tick(5.0) == []
+    assert kinds(ag.tick(10.5)) == [("Publish", "checkin")]
+
+
+def test_device_side_imports_no_torch():
+    code = ("import sys, edge, edge.agent, edge.device, edge.wire, edge.client, edge.mqtt, edge.trainers; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
