@@ -30,18 +30,18 @@ class ProgramCatalog:
 
     def __init__(self, cache_dir: str | Path | None = None):
         self.cache_dir = cache_dir
-        self._cache: dict[tuple[str, str], Program] = {}
+        self._cache: dict[tuple[str, str, str], Program] = {}
 
-    def __call__(self, spec: dict, runtime: str) -> Program:
+    def __call__(self, spec: dict, runtime: str, objective: str = "ce") -> Program:
         import json
-        key = (json.dumps(spec, sort_keys=True), runtime)
+        key = (json.dumps(spec, sort_keys=True), runtime, objective)
         p = self._cache.get(key)
         if p is None:
             if runtime == "torch":
-                p = torch_program(spec)
+                p = torch_program(spec, objective)
             else:
                 from export.programs import build_program  # export tooling is only needed for other runtimes
-                p = build_program(spec, runtime, cache_dir=self.cache_dir)
+                p = build_program(spec, runtime, cache_dir=self.cache_dir, objective=objective)
             self._cache[key] = p
         return p
 

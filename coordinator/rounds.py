@@ -96,7 +96,7 @@ class OpenRound:
 
 class RoundMachine:
     def __init__(self, cfg: RoundConfig, strategy: Strategy, state: ServerState,
-                 programs: Callable[[dict, str], Program], *, registry: Registry | None = None, now: float = 0.0):
+                 programs: Callable[[dict, str, str], Program], *, registry: Registry | None = None, now: float = 0.0):
         self.cfg, self.strategy, self.state, self.programs = cfg, strategy, state, programs
         self.registry = registry or Registry()
         self.open: OpenRound | None = None
@@ -249,7 +249,7 @@ class RoundMachine:
         dp = o.plans[device_id]
         rec = self.registry.devices[device_id]
         runtime = rec.capabilities.get("runtime", "torch")
-        prog = self.programs(dp.spec, runtime)
+        prog = self.programs(dp.spec, runtime, dp.objective)
         plan = Plan(o.task_id, o.round, device_id, o.deadline, self.strategy.name, runtime, prog.hash, dp.weights,
                     dp.hparams, device_seed(self.cfg.seed, o.round, device_id), dp.upload,
                     None if prog.hash in rec.programs else prog.data)
@@ -285,6 +285,9 @@ class RoundMachine:
                    "accepted": sorted(o.accepted),
                    "bytes_down": o.bytes_down + self.carry_bytes[0], "bytes_up": o.bytes_up + self.carry_bytes[1],
                    "wall_s": now - o.opened_at}
+        metrics = getattr(self.strategy, "metrics", None)
+        if metrics is not None:
+            summary |= metrics(self.state)
         self.carry_bytes = [0, 0]
         self.attempt = 1
         log.info("round %d committed with %d reports (%d selected)", o.round, len(o.accepted), len(o.selected))

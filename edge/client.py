@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .training import local_train
+from . import gates
+from .optim import Adamax, sgd
+from .training import batches, local_train
 from .trainers.base import Trainer
 from .wire import Plan, Report, TensorUpdate
 
@@ -29,7 +31,55 @@ def run_fedavg(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Re
     return Report(plan.task_id, plan.device_id, len(x), {"train_loss": res.loss, "steps": res.steps}, tensors)
 
 
-CLIENTS = {"fedavg": run_fedavg}
+def run_fedsparse(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Report:
+    """FedSparse's client (paper 000, Alg. 2): start from the server's w and v (so pi_s = theta), train w_s
+    with SGD and v_s with Adamax on the relaxed objective (Eq. 41, lambda = 0), then draw z_s ~ Bern(pi_s)
+    exactly and send z_s with the weights of the active groups only.
+
+    The noise, the batch order and the mask come from three streams of the plan's seed; the runtime only
+    computes the loss and gradients (``Trainer.loss_and_grads``), so every runtime trains the same way.
+    """
+    hp = plan.hparams
+    T, lr = float(hp["T"]), float(hp["lr"])
+    params = {k: np.array(v, np.float32) for k, v in plan.weights.items()}
+    gated = sorted(int(k[2:-2]) for k in params if k.endswith(".v"))
+    theta_logit = {i: gates.logits(params[f"fc{i}.weight"], params[f"fc{i}.bias"], params[f"fc{i}.v"], T)
+                   .astype(np.float32) for i in gated}
+    v_names = [f"fc{i}.v" for i in gated]
+    vopt = Adamax(lr=float(hp["v_lr"]))
+    rng_u = np.random.default_rng([plan.seed, 1])
+    consts = {k: np.array(float(hp[k]), np.float32) for k in ("lambda0", "ce_scale", "T")}
+    losses = []
+    for idx in batches(len(x), int(hp["batch_size"]), int(hp["epochs"]), plan.seed):
+        trainer.set_weights(params)
+        batch = {"x": x[idx], "y": y[idx], **consts}
+        for i in gated:
+            batch[f"u{i}"] = gates.noise(rng_u, len(params[f"fc{i}.v"]))
+            batch[f"theta_logit{i}"] = theta_logit[i]
+        loss, g = trainer.loss_and_grads(batch)
+        losses.append(loss)
+        sgd(params, {k: v for k, v in g.items() if k not in v_names}, lr)
+        vopt.step(params, {k: g[k] for k in v_names})
+    rng_z = np.random.default_rng([plan.seed, 2])
+    dt = _VALUE_DTYPES[str(plan.upload.get("dtype", "f4"))]
+    tensors: dict[str, TensorUpdate] = {}
+    kept = []
+    for k, w in params.items():
+        if k.endswith(".v"):
+            continue
+        tensors[k] = TensorUpdate(tuple(w.shape), w.astype(dt))
+    for i in gated:
+        pi = gates.sigmoid(gates.logits(params[f"fc{i}.weight"], params[f"fc{i}.bias"], params[f"fc{i}.v"], T))
+        z = gates.sample_mask(pi, rng_z)
+        kept.append(z.mean())
+        for k in (f"fc{i}.weight", f"fc{i}.bias"):
+            tensors[k] = TensorUpdate(tuple(params[k].shape), params[k][z].astype(dt), z)
+    metrics = {"train_loss": float(np.mean(losses)) if losses else float("nan"), "steps": len(losses),
+               "kept": float(np.mean(kept)) if kept else 1.0}
+    return Report(plan.task_id, plan.device_id, len(x), metrics, tensors)
+
+
+CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse}
 
 
 def run_plan(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Report:

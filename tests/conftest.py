@@ -54,9 +54,9 @@ class Bus:
             elif isinstance(a, A.StartTraining):
                 if dev in self.hold_training:
                     continue
-                t = self.trainers.get(dev)
+                t = self.trainers.get((dev, a.plan.program_hash))
                 if t is None:
-                    t = self.trainers[dev] = make_trainer("torch")
+                    t = self.trainers[(dev, a.plan.program_hash)] = make_trainer("torch")
                     t.load(self.caches[dev].get(a.plan.program_hash))
                 rep = run_plan(a.plan, t, *self.data[dev])
                 self._device_actions(dev, self.agents[dev].training_done(rep, self.now))

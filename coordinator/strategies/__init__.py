@@ -8,6 +8,9 @@ def make_strategy(name: str, **kw) -> Strategy:
     if name == "fedavg":
         from .fedavg import FedAvg
         return FedAvg(**kw)
+    if name == "fedsparse":
+        from .fedsparse import FedSparse
+        return FedSparse(**kw)
     raise ValueError(f"unknown strategy {name!r}")
 
 

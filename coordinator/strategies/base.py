@@ -51,6 +51,7 @@ class DevicePlan:
     hparams: dict[str, Any]
     upload: dict[str, Any]
     spec: dict[str, Any]  # model spec of the (possibly sliced) network the device trains
+    objective: str = "ce"  # which training program: plain cross-entropy, or a strategy's own objective
 
 
 class Strategy(Protocol):

@@ -26,5 +26,10 @@ class Trainer(Protocol):
     def step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
         """One SGD step on one batch; returns the batch loss before the step."""
 
+    def loss_and_grads(self, batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+        """Gated programs only: the objective's value and the gradient of every parameter, for inputs by
+        name (x, y, noise, server gate logits, penalty strengths). The optimisers run in numpy
+        (:mod:`edge.optim`), so they are the same code on every runtime."""
+
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """(mean loss, accuracy) on the given data, without changing weights."""

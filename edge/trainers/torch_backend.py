@@ -73,11 +73,17 @@ class TorchTrainer:
         if body.get("format") != "fedge-torch/1":
             raise ValueError("not a fedge torch program")
         self.spec = body["model"]
+        self.gated = None
+        if body.get("objective") == "fedsparse":
+            from .torch_gated import TorchGated
+            self.gated = TorchGated(self.spec)
         self.model = build_module(self.spec)
         self._params = self.model.spec_parameters()
         self._shapes = param_shapes(self.spec)
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        if self.gated is not None:
+            return self.gated.set_weights(weights)
         if set(weights) != set(self._params):
             raise ValueError(f"weights {sorted(weights)} do not match the program's {sorted(self._params)}")
         with torch.no_grad():
@@ -88,7 +94,15 @@ class TorchTrainer:
                 p.copy_(torch.from_numpy(a.copy()))
 
     def get_weights(self) -> dict[str, np.ndarray]:
+        if self.gated is not None:
+            return self.gated.get_weights()
         return {k: p.detach().numpy().copy() for k, p in self._params.items()}
+
+    def loss_and_grads(self, batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+        """Loss and gradients for every parameter (gated programs; the optimisers run in numpy)."""
+        if self.gated is None:
+            raise ValueError("loss_and_grads needs a gated (fedsparse) program")
+        return self.gated.loss_and_grads(batch)
 
     def step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
         self.model.zero_grad(set_to_none=True)
