@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +50,18 @@ class SimConfig:
     broker: str = "embedded"  # embedded | mosquitto | mqtt://host:port
     processes: int = 1
     workdir: str = "runs/simulate"
+    fleet: str = ""  # topic namespace; empty: a fresh one per run, so runs sharing a broker never mix
     strategy_kw: dict[str, Any] = field(default_factory=dict)
 
 
-def _device_worker(specs: list[dict], broker_url: str, stop: Any, ready: Any) -> None:
+def _device_worker(specs: list[dict], broker_url: str, stop: Any, ready: Any) -> None:  # noqa: D401
     """Child process: run a group of devices until told to stop."""
     logging.basicConfig(level=os.environ.get("FEDGE_LOG", "WARNING"),
                         format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
     from concurrent.futures import ThreadPoolExecutor
     from edge.device import device_from_files
     pool = ThreadPoolExecutor(max_workers=1)  # one trainer at a time per process: the machine has 2 cores
-    devs = [device_from_files(s["id"], s["data"], s["state"], broker_url, capabilities=s["caps"],
+    devs = [device_from_files(s["id"], s["data"], s["state"], broker_url, capabilities=s["caps"], fleet=s["fleet"],
                               chunk_bytes=s["chunk_bytes"], executor=pool, trainer_kw={"threads": 1}).start()
             for s in specs]
     ready.set()
@@ -113,7 +114,7 @@ def prepare(cfg: SimConfig) -> tuple[list[dict], Any]:
         caps = {"runtime": cfg.runtimes[i % len(cfg.runtimes)], "memory_mb": 2048, "battery": 0.9,
                 "charging": True, "network": "wifi", "idle": True}
         specs.append({"id": did, "data": str(ddir / "data.npz"), "state": str(ddir), "caps": caps,
-                      "chunk_bytes": cfg.chunk_bytes})
+                      "chunk_bytes": cfg.chunk_bytes, "fleet": cfg.fleet or "default"})
     return specs, data
 
 
@@ -124,13 +125,17 @@ def build_coordinator(cfg: SimConfig, broker_url: str, test: tuple, on_round=Non
     rc = RoundConfig(rounds=cfg.rounds, clients_per_round=cfg.clients_per_round, over_selection=cfg.over_selection,
                      min_reports=cfg.min_reports, round_timeout_s=cfg.round_timeout_s,
                      selection_timeout_s=cfg.selection_timeout_s, seed=cfg.seed, chunk_bytes=cfg.chunk_bytes,
+                     fleet=cfg.fleet or "default",
                      eligibility=Eligibility(runtimes=tuple(cfg.runtimes)))
-    cc = CoordinatorConfig(rc, BrokerAddress.parse(broker_url), str(Path(cfg.workdir) / "coordinator.sqlite"))
+    cc = CoordinatorConfig(rc, BrokerAddress.parse(broker_url), str(Path(cfg.workdir) / "coordinator.sqlite"),
+                           client_id=f"fedge-coordinator-{rc.fleet}")
     return Coordinator(cc, strategy, evaluator=Evaluator(*test), on_round=on_round)
 
 
 def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None, progress: bool = True) -> dict:
     """Run a whole federated training over MQTT; returns the run report (and writes it to ``out``)."""
+    if not cfg.fleet:
+        cfg = replace(cfg, fleet=f"sim-{os.getpid()}-{int(time.time() * 1000) % 10**9}")
     if Path(cfg.workdir).exists():
         shutil.rmtree(cfg.workdir)
     specs, data = prepare(cfg)
@@ -154,12 +159,12 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
         else:
             log.info("round %d accuracy %.4f", s["round"], s["accuracy"])
 
-    fleet = coord = None
+    devices = coord = None
     try:
         coord = build_coordinator(cfg, url, (data.x_test, data.y_test), on_round).start()
         if not coord.link.connected.wait(30):
             raise TimeoutError(f"coordinator could not connect to {url}")
-        fleet = DeviceFleet(specs, url, cfg.processes)
+        devices = DeviceFleet(specs, url, cfg.processes)
         coord.wait()
         if coord.error:
             raise RuntimeError("coordinator failed") from coord.error
@@ -169,8 +174,8 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
             bar.close()
         if coord is not None:
             coord.stop()
-        if fleet is not None:
-            fleet.stop()
+        if devices is not None:
+            devices.stop()
         if broker is not None:
             broker.stop()
     rep = run_report(strategy=cfg.strategy, runtime="+".join(cfg.runtimes), devices=cfg.devices,

@@ -79,7 +79,41 @@ def run_fedsparse(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) ->
     return Report(plan.task_id, plan.device_id, len(x), metrics, tensors)
 
 
-CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse}
+def run_fedl1(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Report:
+    """FedL1's client (paper 000, Eq. 24-25): SGD on mean cross-entropy plus lambda * sum_g ||w_g|| over
+    hidden units, then hard-threshold groups with ||w_g|| <= lambda and send only the others.
+
+    The runtime takes the cross-entropy step; the group-lasso gradient lambda * w_g / ||w_g|| (taken at
+    the weights before the step, so the two together are one SGD step on the sum) is applied here in
+    numpy, which works the same on every runtime."""
+    hp = plan.hparams
+    lr, lam = float(hp["lr"]), float(hp["l1"])
+    hidden = sorted({k.split(".")[0] for k in plan.weights})[:-1]
+    trainer.set_weights(plan.weights)
+    losses = []
+    for idx in batches(len(x), int(hp["batch_size"]), int(hp["epochs"]), plan.seed):
+        pre = trainer.get_weights()
+        losses.append(trainer.step(x[idx], y[idx], lr))
+        w = trainer.get_weights()
+        for layer in hidden:
+            W, b = f"{layer}.weight", f"{layer}.bias"
+            n = gates.group_norms(pre[W], pre[b])
+            scale = np.where(n > 0, lr * lam / np.maximum(n, 1e-12), 0.0)
+            w[W] -= (scale[:, None] * pre[W]).astype(np.float32)
+            w[b] -= (scale * pre[b]).astype(np.float32)
+        trainer.set_weights(w)
+    w = trainer.get_weights()
+    dt = _VALUE_DTYPES[str(plan.upload.get("dtype", "f4"))]
+    tensors = {k: TensorUpdate(tuple(v.shape), v.astype(dt)) for k, v in w.items()}
+    for layer in hidden:
+        keep = gates.group_norms(w[f"{layer}.weight"], w[f"{layer}.bias"]) > lam
+        for k in (f"{layer}.weight", f"{layer}.bias"):
+            tensors[k] = TensorUpdate(tuple(w[k].shape), w[k][keep].astype(dt), keep)
+    return Report(plan.task_id, plan.device_id, len(x), {"train_loss": float(np.mean(losses)), "steps": len(losses)},
+                  tensors)
+
+
+CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse, "fedl1": run_fedl1}
 
 
 def run_plan(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Report:

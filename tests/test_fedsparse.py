@@ -236,3 +236,26 @@ def test_fedsparse_rounds_prune_and_bytes_fall(tmp_path):
     assert all(0 < r["density"] <= 1 for r in rows)
     # plans shrink with the surviving groups (the first round also carries the programs)
     assert rows[-1]["bytes_down"] < rows[1]["bytes_down"] or rows[1]["density"] == rows[-1]["density"] < 1.0
+
+
+def test_fedl1_client_thresholds_and_server_prunes(tmp_path):
+    from coordinator.strategies.fedl1 import FedL1
+    s = FedL1(spec=mlp([64, 16, 10]), l1=0.6, lr=0.1, batch_size=10, server_opt="adam", server_lr=1e-2)
+    bus = make_bus(tmp_path, 4, rounds=3, per_round=4, strategy=s)
+    bus.connect_all()
+    for _ in range(4):
+        bus.tick(0.1)
+    assert len(bus.committed) == 3
+    reps = [wire_decode(p) for t, p in bus.log if "/report/" in t]
+    masks = [r.tensors["fc0.weight"].mask for r in reps]
+    assert all(m is not None for m in masks) and any(not m.all() for m in masks)
+    for r in reps:  # what is sent is exactly the groups above the threshold
+        t = r.tensors["fc0.weight"]
+        b = r.tensors["fc0.bias"].values
+        assert (gates.group_norms(t.values, b) > 0.6).all()
+    assert bus.committed[-1]["density"] < 1.0
+
+
+def wire_decode(p):
+    from edge import wire
+    return wire.decode(p)

@@ -65,7 +65,8 @@ class Fleet:
         self.acks: list[wire.Ack] = []
         self.devs = {}
         for s in specs:
-            d = device_from_files(s["id"], s["data"], s["state"], url, capabilities=s["caps"], executor=self.pool)
+            d = device_from_files(s["id"], s["data"], s["state"], url, capabilities=s["caps"], executor=self.pool,
+                                  fleet=s["fleet"])
             orig = d.on_message
 
             def spy(link, topic, payload, now, orig=orig):

@@ -233,16 +233,47 @@ def test_fedavg_matches_numpy_reference(tmp_path):
         assert np.abs(v - w0[k]).max() > 1e-4  # training moved the weights
 
 
+def _two_reports(s, st):
+    acc = s.begin(st)
+    plan = s.plan(st, "d0", {})
+    for n, val in ((1, 3.0), (3, 7.0)):
+        tens = {k: TensorUpdate(v.shape, np.full(v.shape, val, np.float32)) for k, v in plan.weights.items()}
+        s.accumulate(st, acc, plan, Report("r1a1", "d0", n, {}, tens))
+    return s.finish(st, acc)
+
+
 def test_fedavg_server_lr_is_a_step_on_the_mean_difference():
     s = FedAvg(spec=SPEC, server_lr=0.5)
-    st = ServerState(0, {"a": np.ones(3, np.float32)})
-    acc = s.begin(st)
-    plan = DevicePlan(st.weights, {}, {}, SPEC)
-    for n, val in ((1, 3.0), (3, 7.0)):
-        s.accumulate(st, acc, plan, Report("r1a1", "d0", n, {}, {"a": TensorUpdate((3,), np.full(3, val, np.float32))}))
-    new = s.finish(st, acc)
+    st = s.init(0)
+    st.weights = {k: np.ones_like(v) for k, v in st.weights.items()}
+    new = _two_reports(s, st)
     # mean = (3 + 21)/4 = 6; w + 0.5 * (6 - 1) = 3.5
-    np.testing.assert_allclose(new.weights["a"], 3.5)
+    for v in new.weights.values():
+        np.testing.assert_allclose(v, 3.5)
+
+
+def test_fedadam_is_adam_ascent_on_the_mean_difference():
+    s = FedAvg(spec=SPEC, server_opt="adam", server_lr=0.01)
+    st = s.init(0)
+    w0 = {k: v.copy() for k, v in st.weights.items()}
+    new = _two_reports(s, st)
+    for k, w in w0.items():
+        g = 6.0 - w.astype(np.float64)  # first Adam step: lr * g / (|g| + eps)
+        np.testing.assert_allclose(new.weights[k], w + 0.01 * g / (np.abs(g) + 1e-8), atol=1e-6)
+    new2 = _two_reports(s, new)  # moments carry over through the state
+    assert int(new2.opt["adam/t"]) == 2
+
+
+def test_random_pruning_control_slices_plans():
+    s = FedAvg(spec=SPEC, prune_random={0: 0.25})
+    st = s.init(3)
+    assert int(st.opt["alive/fc0"].sum()) == 12
+    plan = s.plan(st, "d0", {})
+    assert plan.spec["sizes"] == [64, 12, 10] and plan.weights["fc1.weight"].shape == (10, 12)
+    new = _two_reports(s, st)
+    dead = ~st.opt["alive/fc0"].astype(bool)
+    assert (new.weights["fc0.weight"][dead] == 0).all() and (new.weights["fc1.weight"][:, dead] == 0).all()
+    assert s.metrics(new)["density"] == 0.75
 
 
 def test_selection_is_seeded_and_without_replacement():

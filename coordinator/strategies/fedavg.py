@@ -1,6 +1,13 @@
 """FedAvg (McMahan et al. 2017), read as hard-EM (paper 000, section 2): the M-step (Eq. 10-11) is the
-sample-weighted mean of the clients' weights. With ``server_lr != 1`` the mean difference is applied as a
-pseudo-gradient step, the "difference as gradient" view of paper 000 App. F."""
+sample-weighted mean of the clients' weights. Two server optimisers:
+
+- ``server_opt="sgd"``: w <- w + server_lr * (mean - w); server_lr = 1 is plain FedAvg.
+- ``server_opt="adam"``: Adam ascent on the mean difference, "the difference as gradient" of paper 000
+  App. F and Reddi et al.'s FedAdam; paper 000 runs every baseline with this server.
+
+``prune_random`` is the random structured pruning control of the FedSparse benchmark: per hidden layer, a
+fraction of units removed at random before round 1 and never sent.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from edge import model as M
+from edge.optim import Adam
 from edge.wire import Report
 
+from . import groups as G
 from .base import DevicePlan, ReportRejected, ServerState
 
 
@@ -27,42 +36,91 @@ class FedAvg:
     lr: float = 0.05
     epochs: int = 1
     batch_size: int = 20
+    server_opt: str = "sgd"
     server_lr: float = 1.0
     upload_dtype: str = "f4"
+    prune_random: dict[int, float] | None = None
     name: str = "fedavg"
 
+    def __post_init__(self) -> None:
+        if self.server_opt not in ("sgd", "adam"):
+            raise ValueError(f"server_opt must be sgd or adam, not {self.server_opt!r}")
+        self._cache: tuple | None = None
+
     def init(self, seed: int) -> ServerState:
-        return ServerState(0, M.init_weights(self.spec, seed))
+        w = M.init_weights(self.spec, seed)
+        opt = {}
+        if self.prune_random:
+            rng = np.random.default_rng([seed, 77])
+            for i in G.gated_layers(self.spec):
+                n = self.spec["sizes"][i + 1]
+                keep = np.ones(n, bool)
+                keep[rng.choice(n, int(round(self.prune_random.get(i, 0.0) * n)), replace=False)] = False
+                opt[f"alive/fc{i}"] = keep.astype(np.uint8)
+            G.zero_dead(w, self._alive(ServerState(0, w, opt)))
+        return ServerState(0, w, opt)
+
+    def _alive(self, state: ServerState) -> dict[int, np.ndarray]:
+        return {i: state.opt[f"alive/fc{i}"].astype(bool) for i in G.gated_layers(self.spec)
+                if f"alive/fc{i}" in state.opt}
+
+    def _round(self, state: ServerState) -> tuple[DevicePlan, G.Index]:
+        key = (id(state), state.round)
+        if self._cache is None or self._cache[0] != key:
+            alive = self._alive(state)
+            idx = G.index_maps(self.spec, alive)
+            dp = DevicePlan(G.slice_weights(state.weights, idx), self.hparams(), {"dtype": self.upload_dtype},
+                            G.sliced_spec(self.spec, alive))
+            self._cache = (key, dp, idx)
+        return self._cache[1], self._cache[2]
+
+    def hparams(self) -> dict[str, Any]:
+        return {"lr": self.lr, "epochs": self.epochs, "batch_size": self.batch_size}
 
     def plan(self, state: ServerState, device_id: str, caps: dict[str, Any]) -> DevicePlan:
-        return DevicePlan(state.weights, {"lr": self.lr, "epochs": self.epochs, "batch_size": self.batch_size},
-                          {"dtype": self.upload_dtype}, self.spec)
+        return self._round(state)[0]
 
     def begin(self, state: ServerState) -> Accumulator:
         return Accumulator({k: np.zeros(v.shape, np.float64) for k, v in state.weights.items()})
 
-    def accumulate(self, state: ServerState, acc: Accumulator, plan: DevicePlan, report: Report) -> None:
+    def check(self, plan: DevicePlan, report: Report) -> None:
         if set(report.tensors) != set(plan.weights):
             raise ReportRejected(f"tensors {sorted(report.tensors)[:4]}... do not match the plan")
-        dense = {}
         for k, t in report.tensors.items():
-            if t.mask is not None and not t.mask.all():
-                raise ReportRejected(f"{k}: FedAvg expects a dense update")
             if t.shape != plan.weights[k].shape:
                 raise ReportRejected(f"{k}: shape {t.shape}, plan sent {plan.weights[k].shape}")
-            dense[k] = t.dense()
+            if t.mask is not None and not t.mask.all():
+                raise ReportRejected(f"{k}: {self.name} expects a dense update")
+
+    def accumulate(self, state: ServerState, acc: Accumulator, plan: DevicePlan, report: Report) -> None:
+        self.check(plan, report)
+        idx = self._round(state)[1]
         n = float(report.n_samples)
-        for k, v in dense.items():
-            acc.sums[k] += n * v  # float64 accumulator: summation order does not matter to 1e-12
+        for k, t in report.tensors.items():
+            # float64 accumulator: summation order does not matter to 1e-12
+            G.scatter_add(acc.sums[k], n * t.dense().astype(np.float64), *idx[k])
         acc.total_n += n
         acc.count += 1
 
     def finish(self, state: ServerState, acc: Accumulator) -> ServerState:
-        new = {}
-        for k, w in state.weights.items():
-            mean = acc.sums[k] / acc.total_n
-            new[k] = (w + self.server_lr * (mean - w)).astype(np.float32)
-        return ServerState(state.round + 1, new, state.opt, state.meta)
+        diff = {k: acc.sums[k] / acc.total_n - w for k, w in state.weights.items()}
+        new = {k: w.copy() for k, w in state.weights.items()}
+        opt = dict(state.opt)
+        if self.server_opt == "adam":
+            adam = Adam(lr=self.server_lr, maximize=True)
+            adam.load(opt, "adam/")
+            adam.step(new, diff)
+            opt |= adam.state("adam/")
+        else:
+            for k in new:
+                new[k] = (new[k] + self.server_lr * diff[k]).astype(np.float32)
+        G.zero_dead(new, self._alive(state))
+        return ServerState(state.round + 1, new, opt, state.meta)
 
     def global_model(self, state: ServerState) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        return self.spec, state.weights
+        dp = self._round(state)[0]
+        return dp.spec, dp.weights
+
+    def metrics(self, state: ServerState) -> dict[str, float]:
+        alive = self._alive(state)
+        return {"density": G.density(alive)} if alive else {}

@@ -23,6 +23,7 @@ from edge import model as M
 from edge.optim import Adam, Adamax
 from edge.wire import Report
 
+from . import groups as G
 from .base import DevicePlan, ReportRejected, ServerState
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -66,7 +67,7 @@ class FedSparse:
         self.server_lr = p["server_lr"] if self.server_lr is None else self.server_lr
         self.lambda0 = p["lambda0"] if self.lambda0 is None else self.lambda0
         self.n_layers = len(self.spec["sizes"]) - 1
-        self.gated = list(range(self.n_layers - 1))  # hidden layers; never the output layer's classes
+        self.gated = G.gated_layers(self.spec)  # hidden layers; never the output layer's classes
         self._plan_cache: tuple[int, DevicePlan, dict] | None = None
 
     # ---------------------------------------------------------------- state
@@ -78,37 +79,11 @@ class FedSparse:
             opt[f"alive/fc{i}"] = np.ones(self.spec["sizes"][i + 1], np.uint8)
         return ServerState(0, w, opt, {})
 
-    def alive(self, state: ServerState, i: int) -> np.ndarray:
-        return np.flatnonzero(state.opt[f"alive/fc{i}"])
-
     def _theta_logits(self, state: ServerState, i: int) -> np.ndarray:
         return gates.logits(state.weights[f"fc{i}.weight"], state.weights[f"fc{i}.bias"], state.opt[f"v/fc{i}"], self.T)
 
-    # ---------------------------------------------------------------- slicing
-    def _index(self, state: ServerState) -> dict[str, tuple[np.ndarray | None, np.ndarray | None]]:
-        """Per tensor: (rows kept, columns kept), None meaning all."""
-        idx = {}
-        prev = None
-        for i in range(self.n_layers):
-            rows = self.alive(state, i) if i in self.gated else None
-            idx[f"fc{i}.weight"] = (rows, prev)
-            idx[f"fc{i}.bias"] = (rows, None)
-            prev = rows
-        return idx
-
-    @staticmethod
-    def _slice(a: np.ndarray, rows, cols) -> np.ndarray:
-        if rows is not None:
-            a = a[rows]
-        if cols is not None:
-            a = a[:, cols]
-        return np.ascontiguousarray(a)
-
-    def sliced_spec(self, state: ServerState) -> dict[str, Any]:
-        s = list(self.spec["sizes"])
-        for i in self.gated:
-            s[i + 1] = len(self.alive(state, i))
-        return M.mlp(s)
+    def _alive(self, state: ServerState) -> dict[int, np.ndarray]:
+        return {i: state.opt[f"alive/fc{i}"].astype(bool) for i in self.gated}
 
     def plan(self, state: ServerState, device_id: str, caps: dict[str, Any]) -> DevicePlan:
         return self._round_plan(state)[0]
@@ -117,13 +92,15 @@ class FedSparse:
         """Every device of a round gets the same sliced network, built once per round."""
         key = (id(state), state.round)
         if self._plan_cache is None or self._plan_cache[0] != key:
-            idx = self._index(state)
-            w = {k: self._slice(v, *idx[k]) for k, v in state.weights.items()}
+            alive = self._alive(state)
+            idx = G.index_maps(self.spec, alive)
+            w = G.slice_weights(state.weights, idx)
             for i in self.gated:
                 w[f"fc{i}.v"] = state.opt[f"v/fc{i}"][idx[f"fc{i}.bias"][0]]
             hp = {"lr": self.lr, "v_lr": self.v_lr, "epochs": self.epochs, "batch_size": self.batch_size,
                   "lambda0": self.lambda0, "ce_scale": self.ce_scale, "T": self.T}
-            dp = DevicePlan(w, hp, {"dtype": self.upload_dtype}, self.sliced_spec(state), objective="fedsparse")
+            dp = DevicePlan(w, hp, {"dtype": self.upload_dtype}, G.sliced_spec(self.spec, alive),
+                            objective="fedsparse")
             self._plan_cache = (key, dp, idx)
         return self._plan_cache[1], self._plan_cache[2]
 
@@ -157,12 +134,7 @@ class FedSparse:
             diff = t.dense().astype(np.float64) - sent[k]
             if t.mask is not None:
                 diff[~t.mask] = 0.0
-            target = acc.grad_w[k]
-            r = rows if rows is not None else np.arange(target.shape[0])
-            if cols is not None:
-                target[np.ix_(r, cols)] += diff
-            else:
-                target[r] += diff
+            G.scatter_add(acc.grad_w[k], diff, rows, cols)
         # Line 8: -(z_s - theta) sigmoid(v) / T, per surviving group.
         for i in self.gated:
             rows = idx[f"fc{i}.bias"][0]
@@ -182,7 +154,7 @@ class FedSparse:
         v = {f"fc{i}": opt[f"v/fc{i}"].copy() for i in self.gated}
         vopt.step(v, acc.grad_v)
         alive = {i: opt[f"alive/fc{i}"].astype(bool) for i in self.gated}
-        self._zero_dead(w, alive)  # Adam moments must not revive a pruned group
+        G.zero_dead(w, alive)  # Adam moments must not revive a pruned group
         # Line 3: prune theta < eps, and keep pruning from cascading into the next layer.
         for i in self.gated:
             theta = gates.sigmoid(gates.logits(w[f"fc{i}.weight"], w[f"fc{i}.bias"], v[f"fc{i}"], self.T))
@@ -203,20 +175,13 @@ class FedSparse:
                 # theta is unchanged at this moment (notes: fedsparse-lessons.md).
                 tau = gates.softplus(v[nxt].astype(np.float64)) - (before - after)
                 v[nxt] = np.where(alive[i + 1], gates.softplus_inv(tau), v[nxt]).astype(np.float32)
-            self._zero_dead(w, alive)
+            G.zero_dead(w, alive)
         for i in self.gated:
             opt[f"v/fc{i}"] = v[f"fc{i}"].astype(np.float32)
             opt[f"alive/fc{i}"] = alive[i].astype(np.uint8)
         opt |= wopt.state("adam/") | vopt.state("adamax/")
         meta = dict(state.meta) | {"kept": float(np.mean(acc.kept)) if acc.kept else 1.0}
         return ServerState(state.round + 1, w, opt, meta)
-
-    def _zero_dead(self, w: dict[str, np.ndarray], alive: dict[int, np.ndarray]) -> None:
-        for i in self.gated:
-            dead = ~alive[i]
-            w[f"fc{i}.weight"][dead] = 0.0
-            w[f"fc{i}.bias"][dead] = 0.0
-            w[f"fc{i + 1}.weight"][:, dead] = 0.0
 
     # ---------------------------------------------------------------- reporting
     def global_model(self, state: ServerState) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -225,6 +190,6 @@ class FedSparse:
         return dp.spec, {k: v for k, v in dp.weights.items() if not k.endswith(".v")}
 
     def metrics(self, state: ServerState) -> dict[str, float]:
-        alive = sum(int(state.opt[f"alive/fc{i}"].sum()) for i in self.gated)
-        total = sum(len(state.opt[f"alive/fc{i}"]) for i in self.gated)
-        return {"density": alive / total, "kept": state.meta.get("kept", 1.0)}
+        alive = self._alive(state)
+        per_layer = {f"density_fc{i}": float(a.mean()) for i, a in alive.items()}
+        return {"density": G.density(alive), "kept": state.meta.get("kept", 1.0)} | per_layer
