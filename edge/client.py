@@ -8,6 +8,7 @@ import numpy as np
 
 from . import gates
 from .optim import Adamax, sgd
+from .state import LocalState
 from .training import batches, local_train
 from .trainers.base import Trainer
 from .wire import Plan, Report, TensorUpdate
@@ -114,11 +115,18 @@ def run_fedl1(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Rep
 
 
 CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse, "fedl1": run_fedl1}
+STATEFUL: set = set()  # client halves that take the device's LocalState as a fifth argument
 
 
-def run_plan(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Report:
+def run_plan(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray, state: LocalState | None = None) -> Report:
+    """Run ``plan`` on local data. ``state`` is the device's private store (strategies that keep
+    something on the device between rounds need it; the others ignore it)."""
     try:
         fn = CLIENTS[plan.strategy]
     except KeyError:
         raise ValueError(f"strategy {plan.strategy!r} has no client half on this device") from None
+    if fn in STATEFUL:
+        if state is None:
+            raise ValueError(f"strategy {plan.strategy!r} needs the device's local state")
+        return fn(plan, trainer, x, y, state)
     return fn(plan, trainer, x, y)

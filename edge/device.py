@@ -14,6 +14,7 @@ from .client import run_plan
 from .data import load_npz
 from .mqtt import BrokerAddress, MqttLink
 from .program import ProgramCache
+from .state import LocalState
 from .trainers import make_trainer
 from .wire import Plan
 
@@ -27,6 +28,7 @@ class Device:
                  broker: BrokerAddress, *, executor: Executor | None = None, trainer_kw: dict | None = None):
         self.x, self.y = x, y
         self.cache = ProgramCache(Path(state_dir) / "programs")
+        self.local = LocalState(Path(state_dir) / "local")
         self.agent = DeviceAgent(cfg, n_samples=len(x), programs=self.cache.hashes())
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix=f"train-{cfg.device_id}")
         self.trainer_kw = trainer_kw or {}
@@ -71,7 +73,7 @@ class Device:
 
     def _train(self, plan: Plan) -> None:
         try:
-            report = run_plan(plan, self._trainer_for(plan), self.x, self.y)
+            report = run_plan(plan, self._trainer_for(plan), self.x, self.y, self.local)
             err = ""
         except Exception as e:  # a failed plan must not kill the device
             log.exception("%s: plan %s failed", self.agent.cfg.device_id, plan.task_id)

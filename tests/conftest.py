@@ -16,6 +16,7 @@ from edge.client import run_plan
 from edge.model import mlp
 from edge.trainers import make_trainer
 from edge.program import ProgramCache
+from edge.state import LocalState
 
 SPEC = mlp([64, 16, 10])
 
@@ -43,6 +44,7 @@ class Bus:
         self.hold_training: set[str] = set()  # devices that train but do not answer (stragglers)
         self.dead: set[str] = set()
         self.caches = {d: ProgramCache(tmp_path / d) for d in agents}
+        self.local = {d: LocalState(tmp_path / d / "local") for d in agents}
         self.trainers: dict[str, object] = {}
 
     def _device_actions(self, dev: str, actions) -> None:
@@ -58,7 +60,7 @@ class Bus:
                 if t is None:
                     t = self.trainers[(dev, a.plan.program_hash)] = make_trainer("torch")
                     t.load(self.caches[dev].get(a.plan.program_hash))
-                rep = run_plan(a.plan, t, *self.data[dev])
+                rep = run_plan(a.plan, t, *self.data[dev], self.local[dev])
                 self._device_actions(dev, self.agents[dev].training_done(rep, self.now))
 
     def _machine_actions(self, actions) -> None:
