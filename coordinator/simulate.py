@@ -89,9 +89,15 @@ class DeviceFleet:
             p.start()
             self.procs.append(p)
             readies.append(ready)
-        for r in readies:
-            if not r.wait(120):
-                raise TimeoutError("device processes did not start")
+        end = time.time() + 120
+        for p, r in zip(self.procs, readies):
+            while not r.wait(0.2):
+                if not p.is_alive():
+                    self.stop()
+                    raise RuntimeError(f"device process {p.name} exited with code {p.exitcode} while starting")
+                if time.time() > end:
+                    self.stop()
+                    raise TimeoutError("device processes did not start")
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -1,0 +1,1 @@
+"""Benchmarks (not shipped in the package)."""

@@ -1,0 +1,117 @@
+"""Trainer step time and memory per (model, runtime, threads): ``python -m benchmarks.trainers``.
+
+Each configuration runs in its own process (so thread pools and peak RSS are its own), on batch 20,
+timing ``trainer.step`` (one SGD step, inputs as numpy) after a warm-up. Writes
+``runs/bench/trainers.json``: ``{"results": [{"model", "runtime", "threads", "step_ms",
+"ratio_to_torch", "peak_mb"}, ...]}``; ``threads`` is 1 or "default" (the runtime's own choice), and
+the ratio is against torch on the same model and thread setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("benchmarks.trainers")
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 20
+
+
+def worker(model: str, runtime: str, threads: int | None, program_path: str, steps: int, warmup: int) -> dict:
+    """Time one configuration in this process (imports only that runtime)."""
+    from edge.model import init_weights, input_size, num_classes
+    from edge.program import torch_program
+    from edge.trainers import make_trainer
+    from firmware_tests import peak_rss_mb
+
+    t = make_trainer(runtime, threads=threads)
+    data = Path(program_path).read_bytes() if runtime != "torch" else None
+    if runtime == "torch":
+        spec = json.loads(Path(program_path).read_text())["model"]
+        data = torch_program(spec).data
+    t.load(data)
+    spec = t.spec
+    t.set_weights(init_weights(spec, 0))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, input_size(spec))).astype(np.float32)
+    y = rng.integers(0, num_classes(spec), BATCH).astype(np.int64)
+    for _ in range(warmup):
+        t.step(x, y, 1e-3)
+    times = np.empty(steps)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        t.step(x, y, 1e-3)
+        times[i] = time.perf_counter() - t0
+    return {"model": model, "runtime": runtime, "threads": threads or "default",
+            "step_ms": float(np.median(times) * 1e3), "p10_ms": float(np.percentile(times, 10) * 1e3),
+            "p90_ms": float(np.percentile(times, 90) * 1e3), "peak_mb": peak_rss_mb()}
+
+
+def run(out: Path, steps: int, warmup: int, runtimes: list[str], models: list[str]) -> dict:
+    from export.models import ZOO
+    from export.programs import ProgramStore
+
+    store = ProgramStore(ROOT / "runs" / "programs")
+    results = []
+    for model in models:
+        paths = {}
+        for rt in runtimes:
+            prog, info = store.get(ZOO[model], rt)
+            paths[rt] = str(store.root / "programs" / info.hash)
+            log.info("%s/%s program %s (%s, export %.1fs)", model, rt, info.hash[:12],
+                     "cached" if info.cached else "exported", info.export_seconds)
+        for threads in (1, None):
+            torch_ms = None
+            for rt in runtimes:
+                cmd = [sys.executable, "-m", "benchmarks.trainers", "--worker", model, rt, str(threads or 0),
+                       paths[rt], "--steps", str(steps), "--warmup", str(warmup)]
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                line = next((ln for ln in p.stdout.splitlines() if ln.startswith("{")), None)
+                if p.returncode != 0 or line is None:
+                    raise RuntimeError(f"{model}/{rt}/{threads}: worker failed: {p.stderr[-2000:]}")
+                r = json.loads(line)
+                if rt == "torch":
+                    torch_ms = r["step_ms"]
+                r["ratio_to_torch"] = r["step_ms"] / torch_ms if torch_ms else None
+                results.append(r)
+                log.info("%-4s %-10s threads=%-7s %.3f ms  x%.2f  %.0f MB", model, rt, r["threads"],
+                         r["step_ms"], r["ratio_to_torch"] or float("nan"), r["peak_mb"])
+    body = {"batch": BATCH, "steps": steps, "warmup": warmup, "cpus": os.cpu_count(),
+            "machine": platform.machine(), "results": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(body, indent=1) + "\n")
+    return body
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.trainers", description=__doc__)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "trainers.json")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--runtimes", default="torch,ort,executorch")
+    ap.add_argument("--models", default="mlp,cnn")
+    ap.add_argument("--worker", nargs=4, metavar=("MODEL", "RUNTIME", "THREADS", "PROGRAM"))
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.worker:
+        model, rt, threads, path = a.worker
+        print(json.dumps(worker(model, rt, int(threads) or None, path, a.steps, a.warmup)))
+        return 0
+    runtimes = a.runtimes.split(",")
+    if runtimes[0] != "torch":
+        runtimes = ["torch"] + [r for r in runtimes if r != "torch"]  # ratios need torch first
+    run(a.out, a.steps, a.warmup, runtimes, a.models.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

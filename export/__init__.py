@@ -1,0 +1,1 @@
+"""Offline export tooling (server side): programs for every runtime, the model zoo, subnetwork slicing."""
