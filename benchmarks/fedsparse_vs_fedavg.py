@@ -65,7 +65,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--runtime", default="torch", choices=["torch", "ort", "executorch"])
-    ap.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2])
+    ap.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
+    ap.add_argument("--l1s", type=float, nargs="+", default=[2e-3, 1e-2, 2e-2, 5e-2],
+                    help="FedL1 lambdas tried on the first seed (2e-3 is the paper's)")
     ap.add_argument("--out", default=str(OUT / "fedsparse_vs_fedavg.json"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -80,10 +82,18 @@ def main() -> int:
                 for lr in tqdm(args.adam_lrs, desc="tuning fedadam")}
         best_lr = max(tune, key=lambda lr: tune[lr]["accuracy"])
         log.info("best fedadam server lr: %g", best_lr)
+        # FedL1's lambda: the paper's 2e-3 prunes nothing at this scale, so it is tuned too: the most bytes
+        # saved among lambdas within 1 point of the tuned FedAdam on the same seed, else the most accurate.
+        l1_tune = {lam: one(f"fedl1-l{lam:g}", "fedl1", args.seeds[0], args, mq.url, server_opt="adam",
+                            server_lr=best_lr, l1=lam) for lam in tqdm(args.l1s, desc="tuning fedl1")}
+        ok = [lam for lam, r in l1_tune.items() if r["accuracy"] >= tune[best_lr]["accuracy"] - 0.01]
+        best_l1 = (min(ok, key=lambda lam: l1_tune[lam]["total_bytes"]) if ok
+                   else max(l1_tune, key=lambda lam: l1_tune[lam]["accuracy"]))
+        log.info("fedl1 lambda: %g", best_l1)
         plan = [
             ("fedavg", "fedavg", {}),
             ("fedadam", "fedadam", {"server_lr": best_lr}),
-            ("fedl1", "fedl1", {"server_opt": "adam", "server_lr": best_lr, "l1": 2e-3}),
+            ("fedl1", "fedl1", {"server_opt": "adam", "server_lr": best_lr, "l1": best_l1}),
             ("fedsparse-paper", "fedsparse", {"preset": "paper"}),
             ("fedsparse-mid", "fedsparse", {"preset": "mid"}),
             ("fedsparse-high", "fedsparse", {"preset": "high"}),
@@ -94,6 +104,8 @@ def main() -> int:
             for seed in args.seeds:
                 if label == "fedadam" and seed == args.seeds[0]:
                     r = dict(tune[best_lr], label="fedadam")
+                elif label == "fedl1" and seed == args.seeds[0]:
+                    r = dict(l1_tune[best_l1], label="fedl1")
                 else:
                     r = one(label, strat, seed, args, mq.url, **kw)
                 per_label[label].append(r)
@@ -122,7 +134,10 @@ def main() -> int:
     result = {"config": {"devices": 50, "clients_per_round": 10, "rounds": args.rounds, "epochs": 1, "batch_size": 20,
                          "seeds": args.seeds, "runtime": args.runtime, "broker": "mosquitto",
                          "fedadam_lr_sweep": {f"{k:g}": v["accuracy"] for k, v in tune.items()},
-                         "fedadam_best_lr": best_lr},
+                         "fedadam_best_lr": best_lr,
+                         "fedl1_sweep": {f"{k:g}": {"accuracy": v["accuracy"], "total_bytes": v["total_bytes"],
+                                                    "final_density": v["final_density"]} for k, v in l1_tune.items()},
+                         "fedl1_lambda": best_l1},
               "runs": runs, "floors": floors,
               "per_seed": {k: [{kk: vv for kk, vv in r.items() if kk != "rounds"} for r in v]
                            for k, v in per_label.items()}}

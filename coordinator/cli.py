@@ -89,19 +89,36 @@ def cmd_device(a: argparse.Namespace) -> int:
     return 0
 
 
+def _strategy_args(items: list[str]) -> dict:
+    """KEY=VALUE pairs; values parsed as JSON when they can be (numbers, booleans), else kept as text."""
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--strategy-arg needs KEY=VALUE, got {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from .simulate import SimConfig, simulate
     cfg = SimConfig(strategy=a.strategy, devices=a.devices, clients_per_round=a.clients_per_round, rounds=a.rounds,
                     epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed, alpha=a.alpha,
                     over_selection=a.over_selection, round_timeout_s=a.round_timeout, broker=a.broker,
                     processes=a.processes, workdir=a.workdir, runtimes=tuple(a.runtimes.split(",")),
-                    chunk_bytes=a.chunk_kb * 1024)
+                    chunk_bytes=a.chunk_kb * 1024, strategy_kw=_strategy_args(a.strategy_arg))
     rep = simulate(cfg, out=a.out, plot=a.plot, progress=not a.no_progress)
     rep.pop("_state", None)
-    print(f"{'round':>5} {'accuracy':>8} {'MB down':>8} {'MB up':>8} {'reports':>7} {'dropped':>7} {'s':>6}")
+    dens = any("density" in r for r in rep["rounds"])
+    print(f"{'round':>5} {'accuracy':>8} {'MB down':>8} {'MB up':>8} {'reports':>7} {'dropped':>7} {'s':>6}"
+          + (f" {'density':>7}" if dens else ""))
     for r in rep["rounds"]:
         print(f"{r['round']:>5} {r['accuracy']:>8.4f} {r['bytes_down'] / 1e6:>8.3f} {r['bytes_up'] / 1e6:>8.3f} "
-              f"{r['reports']:>7} {r['dropped']:>7} {r['wall_s']:>6.2f}")
+              f"{r['reports']:>7} {r['dropped']:>7} {r['wall_s']:>6.2f}"
+              + (f" {r.get('density', 1.0):>7.3f}" if dens else ""))
     print(f"final accuracy {rep['final_accuracy']:.4f}, total {rep['total_bytes'] / 1e6:.1f} MB, "
           f"{rep['wall_s']:.1f} s" + (f"; report in {a.out}" if a.out else "") + (f", plot in {a.plot}" if a.plot else ""))
     return 0
@@ -149,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--processes", type=int, default=2, help="device processes")
     s.add_argument("--chunk-kb", type=int, default=256)
     s.add_argument("--workdir", default="runs/simulate")
+    s.add_argument("--strategy-arg", "-S", action="append", default=[], metavar="KEY=VALUE",
+                   help="strategy option, e.g. -S preset=high -S server_lr=0.03 (repeatable)")
     s.add_argument("--out", help="write the run report JSON here")
     s.add_argument("--plot", help="write accuracy-vs-MB PNG here")
     s.add_argument("--no-progress", action="store_true")
