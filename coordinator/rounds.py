@@ -134,13 +134,14 @@ class RoundMachine:
             return self._drop("not a coordinator topic", topic)
         if kind == "report" and self.open is not None:
             self.open.bytes_up += len(payload)
+        raw = payload
         try:
             msg = wire.decode(payload, max_bytes=self.cfg.max_message_bytes, expect=(kind, "chunk"))
             if isinstance(msg, Chunk):
-                whole = self._reasm.feed(f"{kind}/{ident}", msg, now)
-                if whole is None:
+                raw = self._reasm.feed(f"{kind}/{ident}", msg, now)
+                if raw is None:
                     return []
-                msg = wire.decode(whole, max_bytes=self.cfg.max_message_bytes, expect=(kind,))
+                msg = wire.decode(raw, max_bytes=self.cfg.max_message_bytes, expect=(kind,))
             if getattr(msg, "device_id", ident) != ident:
                 raise WireError(f"device {msg.device_id!r} wrote on the topic of {ident!r}")
         except WireError as e:
@@ -149,7 +150,7 @@ class RoundMachine:
             return self._on_checkin(msg, now)
         if isinstance(msg, Status):
             return self._on_status(msg, now)
-        return self._on_report(msg, now)
+        return self._on_report(msg, raw, now)
 
     def _on_checkin(self, m: CheckIn, now: float) -> list[Action]:
         rec = self.registry.checkin(m.device_id, m.capabilities, m.programs, m.n_samples, now)
@@ -182,7 +183,7 @@ class RoundMachine:
     def _ack(self, r: Report, status: str, reason: str = "") -> list[Action]:
         return self._publish("ack", r.device_id, Ack(r.task_id, r.device_id, status, reason), f"a-{r.task_id}")
 
-    def _on_report(self, r: Report, now: float) -> list[Action]:
+    def _on_report(self, r: Report, raw: bytes, now: float) -> list[Action]:
         o = self.open
         if o is None or r.task_id != o.task_id:
             if r.task_id in self.closed_tasks:
@@ -205,7 +206,7 @@ class RoundMachine:
         o.accepted.add(r.device_id)
         o.finished.add(r.device_id)
         out: list[Action] = [Persist("report", {"task_id": r.task_id, "device_id": r.device_id,
-                                                "payload": wire.encode(r), "n": r.n_samples})]
+                                                "payload": raw, "n": r.n_samples})]
         out += self._ack(r, "accepted")
         return out + self._maybe_close(now)
 
