@@ -26,10 +26,16 @@ log = logging.getLogger("fedge.coordinator")
 
 
 class ProgramCatalog:
-    """One program per (model shape, runtime), built once and kept (content-addressed)."""
+    """One program per (model shape, runtime), built once and kept (content-addressed).
+
+    Exports go to ``cache_dir`` (an :class:`export.programs.ProgramStore`), or else to
+    ``$FEDGE_PROGRAM_CACHE`` if set, so coordinators started by a simulation or a test reuse earlier
+    exports (an ExecuTorch export takes 10-40 s); with neither, every new coordinator exports afresh.
+    """
 
     def __init__(self, cache_dir: str | Path | None = None):
-        self.cache_dir = cache_dir
+        import os
+        self.cache_dir = cache_dir if cache_dir is not None else (os.environ.get("FEDGE_PROGRAM_CACHE") or None)
         self._cache: dict[tuple[str, str, str], Program] = {}
 
     def __call__(self, spec: dict, runtime: str, objective: str = "ce") -> Program:
@@ -58,7 +64,8 @@ class Evaluator:
         prog = torch_program(spec)
         t = self._trainers.get(prog.hash)
         if t is None:
-            t = self._trainers[prog.hash] = make_trainer("torch")
+            # one thread: evaluating a small model on more threads is slower and far noisier (measured)
+            t = self._trainers[prog.hash] = make_trainer("torch", threads=1)
             t.load(prog.data)
         t.set_weights(weights)
         return t.evaluate(self.x, self.y)

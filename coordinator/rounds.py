@@ -264,7 +264,7 @@ class RoundMachine:
             return []
         if len(o.accepted) >= self.cfg.clients_per_round:
             return self._commit(now)
-        everyone_done = o.finished >= set(o.selected)
+        everyone_done = len(o.finished) >= len(o.selected)  # finished only ever holds selected devices
         if now >= o.deadline or everyone_done:
             if len(o.accepted) >= self.cfg.min_needed:
                 return self._commit(now)

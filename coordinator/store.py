@@ -2,10 +2,19 @@
 
 A round commits in one transaction (new state in, the round's reports out), so a coordinator killed with
 SIGKILL restarts from the last committed round together with the open round's accepted reports.
+
+Report payloads (up to megabytes each) live as files beside the database, one directory per task, and
+the table holds only their index: a blob in SQLite is written twice (WAL, then checkpoint) and its
+deletion walks every page, which capped ingest near 100 reports/s for 0.8 MB reports (measured by
+benchmarks/fedavg_mqtt.py). A file is renamed into place before its row is inserted, so a row always
+names a whole file. Neither side is fsynced: like WAL with synchronous=NORMAL, this survives a process
+crash (the coordinator's failure mode), not a power cut.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -20,7 +29,7 @@ CREATE TABLE IF NOT EXISTS devices (device_id TEXT PRIMARY KEY, caps TEXT, progr
 CREATE TABLE IF NOT EXISTS state (round INTEGER PRIMARY KEY, blob BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS rounds (round INTEGER, attempt INTEGER, task_id TEXT PRIMARY KEY, selected TEXT,
                                    deadline REAL, opened_at REAL, status TEXT, summary TEXT);
-CREATE TABLE IF NOT EXISTS reports (task_id TEXT, device_id TEXT, n INTEGER, payload BLOB,
+CREATE TABLE IF NOT EXISTS reports (task_id TEXT, device_id TEXT, n INTEGER, file TEXT,
                                     PRIMARY KEY (task_id, device_id));
 CREATE TABLE IF NOT EXISTS metrics (round INTEGER PRIMARY KEY, data TEXT);
 """
@@ -29,13 +38,26 @@ CREATE TABLE IF NOT EXISTS metrics (round INTEGER PRIMARY KEY, data TEXT);
 class Store:
     def __init__(self, path: str | Path, *, keep_states: int = 2):
         self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.reports_dir = Path(self.path + ".reports")
+        self.reports_dir.mkdir(exist_ok=True)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA page_size=65536")  # state blobs are large; takes effect on a new database
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
         self.db.executescript(SCHEMA)
         self.keep_states = keep_states
+        self._drop_orphans()
+
+    def _drop_orphans(self) -> None:
+        """Report directories of tasks that are no longer open (a crash between commit and cleanup)."""
+        open_tasks = {r[0] for r in self.db.execute("SELECT task_id FROM rounds WHERE status='open'")}
+        for d in self.reports_dir.iterdir():
+            if d.name not in open_tasks:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _report_file(self, task_id: str, device_id: str) -> Path:
+        return self.reports_dir / task_id / f"{device_id}.msgpack"
 
     def close(self) -> None:
         self.db.close()
@@ -62,13 +84,19 @@ class Store:
                        (d["round"], d["attempt"], d["task_id"], json.dumps(d["selected"]), d["deadline"],
                         d["opened_at"]))
         elif what == "report":
+            f = self._report_file(d["task_id"], d["device_id"])
+            f.parent.mkdir(exist_ok=True)
+            tmp = f.with_suffix(".tmp")
+            tmp.write_bytes(d["payload"])
+            os.replace(tmp, f)
             db.execute("INSERT OR IGNORE INTO reports VALUES (?,?,?,?)",
-                       (d["task_id"], d["device_id"], d["n"], d["payload"]))
+                       (d["task_id"], d["device_id"], d["n"], f.name))
         elif what == "abandon":
             with db:
                 db.execute("BEGIN")
                 db.execute("UPDATE rounds SET status='abandoned' WHERE task_id=?", (d["task_id"],))
                 db.execute("DELETE FROM reports WHERE task_id=?", (d["task_id"],))
+            shutil.rmtree(self.reports_dir / d["task_id"], ignore_errors=True)
         elif what == "commit":
             st: ServerState = d["state"]
             with db:
@@ -78,6 +106,7 @@ class Store:
                            (json.dumps(d["summary"]), d["task_id"]))
                 db.execute("DELETE FROM reports WHERE task_id=?", (d["task_id"],))
                 db.execute("DELETE FROM state WHERE round <= ?", (st.round - self.keep_states,))
+            shutil.rmtree(self.reports_dir / d["task_id"], ignore_errors=True)
         else:
             raise ValueError(f"unknown persist record {what!r}")
 
@@ -99,8 +128,8 @@ class Store:
             return None
         info = dict(zip(("round", "attempt", "task_id", "selected", "deadline", "opened_at"), row))
         info["selected"] = json.loads(info["selected"])
-        reports = [r[0] for r in self.db.execute("SELECT payload FROM reports WHERE task_id=? ORDER BY rowid",
-                                                 (info["task_id"],))]
+        reports = [(self.reports_dir / info["task_id"] / r[0]).read_bytes() for r in
+                   self.db.execute("SELECT file FROM reports WHERE task_id=? ORDER BY rowid", (info["task_id"],))]
         return info, reports
 
     def devices(self) -> list[dict[str, Any]]:

@@ -104,6 +104,14 @@ class MqttLink:
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the network thread (how worker threads hand results back to the core)."""
         self._inbox.put(fn)
+        # Wake the network loop now instead of at its next select timeout (up to 50 ms per report).
+        # paho keeps a socket pair for exactly this; it is private, so fall back quietly without it.
+        w = getattr(self.client, "_sockpairW", None)
+        if w is not None:
+            try:
+                w.send(b"\0")
+            except OSError:
+                pass
 
     def start(self) -> "MqttLink":
         self._thread = threading.Thread(target=self._run, name=f"mqtt-{self.client_id}", daemon=True)
