@@ -16,9 +16,21 @@ from .wire import Plan, Report, TensorUpdate
 _VALUE_DTYPES = {"f4": np.float32, "f2": np.float16}
 
 
-def _dense_update(weights: dict[str, np.ndarray], dtype: str) -> dict[str, TensorUpdate]:
-    dt = _VALUE_DTYPES[dtype]
-    return {k: TensorUpdate(shape=tuple(v.shape), values=np.asarray(v, dt)) for k, v in weights.items()}
+def encode_update(new: dict[str, np.ndarray], plan: Plan, masks: dict[str, np.ndarray] | None = None
+                  ) -> dict[str, TensorUpdate]:
+    """Per tensor the active rows (``masks`` over rows; absent = dense) in the plan's upload dtype.
+
+    With ``upload.delta`` the values are w_s - w (the plan's weights) instead of w_s: a float16 weight
+    keeps ~3 significant digits of |w|, which swallows a round's small change; its difference keeps them.
+    """
+    dt = _VALUE_DTYPES[str(plan.upload.get("dtype", "f4"))]
+    delta = bool(plan.upload.get("delta", False))
+    out = {}
+    for k, w in new.items():
+        v = w.astype(np.float64) - plan.weights[k] if delta else w
+        m = (masks or {}).get(k)
+        out[k] = TensorUpdate(tuple(w.shape), np.asarray(v if m is None else v[m], dt), m)
+    return out
 
 
 def run_fedavg(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Report:
@@ -28,7 +40,7 @@ def run_fedavg(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Re
     trainer.set_weights(plan.weights)
     res = local_train(trainer, x, y, epochs=int(hp["epochs"]), batch_size=int(hp["batch_size"]),
                       lr=float(hp["lr"]), seed=plan.seed)
-    tensors = _dense_update(trainer.get_weights(), str(plan.upload.get("dtype", "f4")))
+    tensors = encode_update(trainer.get_weights(), plan)
     return Report(plan.task_id, plan.device_id, len(x), {"train_loss": res.loss, "steps": res.steps}, tensors)
 
 
@@ -62,19 +74,13 @@ def run_fedsparse(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) ->
         sgd(params, {k: v for k, v in g.items() if k not in v_names}, lr)
         vopt.step(params, {k: g[k] for k in v_names})
     rng_z = np.random.default_rng([plan.seed, 2])
-    dt = _VALUE_DTYPES[str(plan.upload.get("dtype", "f4"))]
-    tensors: dict[str, TensorUpdate] = {}
-    kept = []
-    for k, w in params.items():
-        if k.endswith(".v"):
-            continue
-        tensors[k] = TensorUpdate(tuple(w.shape), w.astype(dt))
+    masks, kept = {}, []
     for i in gated:
         pi = gates.sigmoid(gates.logits(params[f"fc{i}.weight"], params[f"fc{i}.bias"], params[f"fc{i}.v"], T))
         z = gates.sample_mask(pi, rng_z)
         kept.append(z.mean())
-        for k in (f"fc{i}.weight", f"fc{i}.bias"):
-            tensors[k] = TensorUpdate(tuple(params[k].shape), params[k][z].astype(dt), z)
+        masks[f"fc{i}.weight"] = masks[f"fc{i}.bias"] = z
+    tensors = encode_update({k: w for k, w in params.items() if not k.endswith(".v")}, plan, masks)
     metrics = {"train_loss": float(np.mean(losses)) if losses else float("nan"), "steps": len(losses),
                "kept": float(np.mean(kept)) if kept else 1.0}
     return Report(plan.task_id, plan.device_id, len(x), metrics, tensors)
@@ -104,14 +110,14 @@ def run_fedl1(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Rep
             w[b] -= (scale * pre[b]).astype(np.float32)
         trainer.set_weights(w)
     w = trainer.get_weights()
-    dt = _VALUE_DTYPES[str(plan.upload.get("dtype", "f4"))]
-    tensors = {k: TensorUpdate(tuple(v.shape), v.astype(dt)) for k, v in w.items()}
+    masks = {}
     for layer in hidden:
         keep = gates.group_norms(w[f"{layer}.weight"], w[f"{layer}.bias"]) > lam
-        for k in (f"{layer}.weight", f"{layer}.bias"):
-            tensors[k] = TensorUpdate(tuple(w[k].shape), w[k][keep].astype(dt), keep)
+        masks[f"{layer}.weight"] = masks[f"{layer}.bias"] = keep
+    tensors = encode_update(w, plan, masks)
     return Report(plan.task_id, plan.device_id, len(x), {"train_loss": float(np.mean(losses)), "steps": len(losses)},
                   tensors)
+
 
 
 CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse, "fedl1": run_fedl1}

@@ -259,3 +259,23 @@ def test_fedl1_client_thresholds_and_server_prunes(tmp_path):
 def wire_decode(p):
     from edge import wire
     return wire.decode(p)
+
+
+def test_float16_uploads_travel_as_differences_and_keep_small_changes():
+    from coordinator.strategies.base import DevicePlan, received_weights, upload_spec
+    from edge.client import encode_update
+    rng = np.random.default_rng(4)
+    w0 = {"fc0.weight": rng.normal(size=(8, 5)).astype(np.float32)}
+    new = {"fc0.weight": (w0["fc0.weight"] + 1e-4 * rng.normal(size=(8, 5))).astype(np.float32)}
+    mask = np.array([1, 1, 0, 1, 0, 1, 1, 1], bool)
+    up = upload_spec("f2")
+    plan = Plan("r1a1", 1, "a", 1e12, "fedsparse", "torch", "0" * 64, w0, {}, 1, up)
+    tens = encode_update(new, plan, {"fc0.weight": mask})
+    assert tens["fc0.weight"].values.dtype == np.float16 and tens["fc0.weight"].values.shape == (6, 5)
+    back = received_weights(DevicePlan(w0, {}, up, SPEC), Report("r1a1", "a", 1, {}, tens), "fc0.weight")
+    change = new["fc0.weight"][mask] - w0["fc0.weight"][mask]
+    err = np.abs(back[mask] - new["fc0.weight"][mask])
+    assert err.max() < 1e-3 * np.abs(change).max() + 1e-7  # the change survives
+    naive = np.abs(new["fc0.weight"].astype(np.float16).astype(np.float32) - new["fc0.weight"]).max()
+    assert naive > 10 * err.max()  # sending float16 weights would have lost it
+    assert (back[~mask] == 0).all()

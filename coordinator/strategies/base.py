@@ -54,6 +54,23 @@ class DevicePlan:
     objective: str = "ce"  # which training program: plain cross-entropy, or a strategy's own objective
 
 
+def received_weights(plan: DevicePlan, report: Report, name: str) -> np.ndarray:
+    """The device's weights for tensor ``name`` in float64, full (sliced-plan) shape, zeros in rows it did
+    not send. Undoes ``upload.delta`` (values sent as differences from the plan's weights)."""
+    t = report.tensors[name]
+    w = t.dense().astype(np.float64)
+    if plan.upload.get("delta"):
+        w += plan.weights[name]
+        if t.mask is not None:
+            w[~t.mask] = 0.0
+    return w
+
+
+def upload_spec(dtype: str) -> dict[str, Any]:
+    """float16 values travel as differences (see edge.client.encode_update); float32 as weights."""
+    return {"dtype": dtype, "delta": dtype == "f2"}
+
+
 class Strategy(Protocol):
     name: str
 

@@ -20,7 +20,7 @@ from edge.optim import Adam
 from edge.wire import Report
 
 from . import groups as G
-from .base import DevicePlan, ReportRejected, ServerState
+from .base import DevicePlan, ReportRejected, ServerState, received_weights, upload_spec
 
 
 @dataclass
@@ -69,7 +69,7 @@ class FedAvg:
         if self._cache is None or self._cache[0] != key:
             alive = self._alive(state)
             idx = G.index_maps(self.spec, alive)
-            dp = DevicePlan(G.slice_weights(state.weights, idx), self.hparams(), {"dtype": self.upload_dtype},
+            dp = DevicePlan(G.slice_weights(state.weights, idx), self.hparams(), upload_spec(self.upload_dtype),
                             G.sliced_spec(self.spec, alive))
             self._cache = (key, dp, idx)
         return self._cache[1], self._cache[2]
@@ -98,7 +98,7 @@ class FedAvg:
         n = float(report.n_samples)
         for k, t in report.tensors.items():
             # float64 accumulator: summation order does not matter to 1e-12
-            G.scatter_add(acc.sums[k], n * t.dense().astype(np.float64), *idx[k])
+            G.scatter_add(acc.sums[k], n * received_weights(plan, report, k), *idx[k])
         acc.total_n += n
         acc.count += 1
 

@@ -24,7 +24,7 @@ from edge.optim import Adam, Adamax
 from edge.wire import Report
 
 from . import groups as G
-from .base import DevicePlan, ReportRejected, ServerState
+from .base import DevicePlan, ReportRejected, ServerState, received_weights, upload_spec
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Exactly as published (App. A): dense start, default Adam, lambda0 'mid' of LeNet-5.
@@ -100,7 +100,7 @@ class FedSparse:
                 w[f"fc{i}.v"] = state.opt[f"v/fc{i}"][idx[f"fc{i}.bias"][0]]
             hp = {"lr": self.lr, "v_lr": self.v_lr, "epochs": self.epochs, "batch_size": self.batch_size,
                   "lambda0": self.lambda0, "ce_scale": self.ce_scale, "T": self.T}
-            dp = DevicePlan(w, hp, {"dtype": self.upload_dtype}, G.sliced_spec(self.spec, alive),
+            dp = DevicePlan(w, hp, upload_spec(self.upload_dtype), G.sliced_spec(self.spec, alive),
                             objective="fedsparse")
             self._plan_cache = (key, dp, idx)
         return self._plan_cache[1], self._plan_cache[2]
@@ -132,7 +132,7 @@ class FedSparse:
         # Line 7: z_s (w_s - w), in the sliced coordinates, scattered into the global tensors.
         for k, t in report.tensors.items():
             rows, cols = idx[k]
-            diff = t.dense().astype(np.float64) - sent[k]
+            diff = received_weights(plan, report, k) - sent[k]
             if t.mask is not None:
                 diff[~t.mask] = 0.0
             G.scatter_add(acc.grad_w[k], diff, rows, cols)
