@@ -68,8 +68,16 @@ def main() -> int:
     ap.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
     ap.add_argument("--l1s", type=float, nargs="+", default=[2e-3, 1e-2, 2e-2, 5e-2],
                     help="FedL1 lambdas tried on the first seed (2e-3 is the paper's)")
-    ap.add_argument("--out", default=str(OUT / "fedsparse_vs_fedavg.json"))
+    ap.add_argument("--only", nargs="+", metavar="LABEL",
+                    help="run only these FedSparse labels (e.g. fedsparse-mid fedsparse-high), no baselines or "
+                         "tuning: how another runtime is compared with the torch run")
+    ap.add_argument("--out", default=None, help="default runs/bench/fedsparse_vs_fedavg[_<runtime>].json")
     args = ap.parse_args()
+    if args.out is None:
+        suffix = "" if args.runtime == "torch" and not args.only else f"_{args.runtime}"
+        args.out = str(OUT / f"fedsparse_vs_fedavg{suffix}.json")
+    if args.only:
+        return run_only(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("fedge", "amqtt"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -150,6 +158,32 @@ def main() -> int:
         print(f"{r['label']:<16} {r['accuracy']:>8.4f} {r['accuracy_vs_fedadam']:>+10.4f} "
               f"{r['total_bytes'] / 1e6:>8.1f} {r['bytes_saved_vs_fedadam']:>6.1%} {r['final_density']:>7.3f}")
     print(json.dumps(floors, indent=1))
+    return 0
+
+
+def run_only(args) -> int:
+    """Selected FedSparse presets on one runtime, next to the torch run's figures when they exist."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    for noisy in ("fedge", "amqtt"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    presets = {"fedsparse-paper": "paper", "fedsparse-mid": "mid", "fedsparse-high": "high"}
+    torch_path = OUT / "fedsparse_vs_fedavg.json"
+    torch_runs = ({r["label"]: r for r in json.loads(torch_path.read_text())["runs"]} if torch_path.exists() else {})
+    runs = []
+    with Mosquitto() as mq:
+        for label in args.only:
+            per = [one(label, "fedsparse", seed, args, mq.url, preset=presets[label]) for seed in args.seeds]
+            r = summarise(label, per)
+            if label in torch_runs:
+                r["torch_accuracy"] = torch_runs[label]["accuracy"]
+                r["accuracy_vs_torch"] = r["accuracy"] - torch_runs[label]["accuracy"]
+            runs.append(r)
+    write_json(args.out, {"config": {"runtime": args.runtime, "rounds": args.rounds, "seeds": args.seeds},
+                          "runs": runs})
+    for r in runs:
+        print(f"{r['label']:<16} {args.runtime}: accuracy {r['accuracy']:.4f}"
+              + (f" (torch {r['torch_accuracy']:.4f}, {r['accuracy_vs_torch']:+.4f})" if "torch_accuracy" in r else "")
+              + f", {r['total_bytes'] / 1e6:.1f} MB, density {r['final_density']:.3f}")
     return 0
 
 
