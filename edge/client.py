@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import gates
+from .fedmix import run_fedmix
 from .optim import Adamax, sgd
 from .state import LocalState
 from .training import batches, local_train
@@ -119,9 +120,9 @@ def run_fedl1(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Rep
                   tensors)
 
 
-
-CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse, "fedl1": run_fedl1}
-STATEFUL: set = set()  # client halves that take the device's LocalState as a fifth argument
+CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse, "fedl1": run_fedl1, "fedmix": run_fedmix}
+# client halves that take the device's LocalState as a fifth argument (FedMix keeps its private gate there)
+STATEFUL: set = {run_fedmix}
 
 
 def run_plan(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray, state: LocalState | None = None) -> Report:

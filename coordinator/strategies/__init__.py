@@ -23,6 +23,9 @@ def make_strategy(name: str, **kw) -> Strategy:
     if name == "fedsparse":
         from .fedsparse import FedSparse
         return FedSparse(**kw)
+    if name == "fedmix":
+        from .fedmix import FedMix
+        return FedMix(**kw)
     raise ValueError(f"unknown strategy {name!r}")
 
 

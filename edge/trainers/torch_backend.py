@@ -77,6 +77,9 @@ class TorchTrainer:
         if body.get("objective") == "fedsparse":
             from .torch_gated import TorchGated
             self.gated = TorchGated(self.spec)
+        elif body.get("objective") == "fedmix":
+            from .torch_mixture import TorchMixture
+            self.gated = TorchMixture(self.spec)
         self.model = build_module(self.spec)
         self._params = self.model.spec_parameters()
         self._shapes = param_shapes(self.spec)
