@@ -4,7 +4,10 @@ Each configuration runs in its own process (so thread pools and peak RSS are its
 timing ``trainer.step`` (one SGD step, inputs as numpy) after a warm-up. Writes
 ``runs/bench/trainers.json``: ``{"results": [{"model", "runtime", "threads", "step_ms",
 "ratio_to_torch", "peak_mb"}, ...]}``; ``threads`` is 1 or "default" (the runtime's own choice), and
-the ratio is against torch on the same model and thread setting.
+the ratio is against torch on the same model and thread setting. ``--repeats N`` runs each
+configuration in N fresh processes (interleaved with the other runtimes) and reports the median of the
+per-process medians (``runs_ms`` lists them): on a shared, loaded machine one process can land in a
+noisy minute, and ExecuTorch's p90 in particular jumps by 100x under load.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ def worker(model: str, runtime: str, threads: int | None, program_path: str, ste
             "p90_ms": float(np.percentile(times, 90) * 1e3), "peak_mb": peak_rss_mb()}
 
 
-def run(out: Path, steps: int, warmup: int, runtimes: list[str], models: list[str]) -> dict:
+def run(out: Path, steps: int, warmup: int, runtimes: list[str], models: list[str], repeats: int = 1) -> dict:
     from export.models import ZOO
     from export.programs import ProgramStore
 
@@ -69,23 +72,31 @@ def run(out: Path, steps: int, warmup: int, runtimes: list[str], models: list[st
             log.info("%s/%s program %s (%s, export %.1fs)", model, rt, info.hash[:12],
                      "cached" if info.cached else "exported", info.export_seconds)
         for threads in (1, None):
+            runs: dict[str, list[dict]] = {rt: [] for rt in runtimes}
+            for _ in range(repeats):
+                for rt in runtimes:
+                    cmd = [sys.executable, "-m", "benchmarks.trainers", "--worker", model, rt, str(threads or 0),
+                           paths[rt], "--steps", str(steps), "--warmup", str(warmup)]
+                    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
+                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("{")), None)
+                    if p.returncode != 0 or line is None:
+                        raise RuntimeError(f"{model}/{rt}/{threads}: worker failed: {p.stderr[-2000:]}")
+                    runs[rt].append(json.loads(line))
             torch_ms = None
             for rt in runtimes:
-                cmd = [sys.executable, "-m", "benchmarks.trainers", "--worker", model, rt, str(threads or 0),
-                       paths[rt], "--steps", str(steps), "--warmup", str(warmup)]
-                p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
-                line = next((ln for ln in p.stdout.splitlines() if ln.startswith("{")), None)
-                if p.returncode != 0 or line is None:
-                    raise RuntimeError(f"{model}/{rt}/{threads}: worker failed: {p.stderr[-2000:]}")
-                r = json.loads(line)
+                rs = runs[rt]
+                r = dict(rs[int(np.argsort([x["step_ms"] for x in rs])[len(rs) // 2])])  # the median run
+                r["runs_ms"] = [x["step_ms"] for x in rs]
+                r["peak_mb"] = max(x["peak_mb"] for x in rs)
                 if rt == "torch":
                     torch_ms = r["step_ms"]
                 r["ratio_to_torch"] = r["step_ms"] / torch_ms if torch_ms else None
                 results.append(r)
-                log.info("%-4s %-10s threads=%-7s %.3f ms  x%.2f  %.0f MB", model, rt, r["threads"],
-                         r["step_ms"], r["ratio_to_torch"] or float("nan"), r["peak_mb"])
-    body = {"batch": BATCH, "steps": steps, "warmup": warmup, "cpus": os.cpu_count(),
+                log.info("%-4s %-10s threads=%-7s %.3f ms  x%.2f  %.0f MB  (runs: %s)", model, rt, r["threads"],
+                         r["step_ms"], r["ratio_to_torch"] or float("nan"), r["peak_mb"],
+                         " ".join(f"{v:.3f}" for v in r["runs_ms"]))
+    body = {"batch": BATCH, "steps": steps, "warmup": warmup, "repeats": repeats, "cpus": os.cpu_count(),
             "machine": platform.machine(), "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(body, indent=1) + "\n")
@@ -99,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--runtimes", default="torch,ort,executorch")
     ap.add_argument("--models", default="mlp,cnn")
+    ap.add_argument("--repeats", type=int, default=1, help="fresh processes per configuration (median reported)")
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "RUNTIME", "THREADS", "PROGRAM"))
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     runtimes = a.runtimes.split(",")
     if runtimes[0] != "torch":
         runtimes = ["torch"] + [r for r in runtimes if r != "torch"]  # ratios need torch first
-    run(a.out, a.steps, a.warmup, runtimes, a.models.split(","))
+    run(a.out, a.steps, a.warmup, runtimes, a.models.split(","), a.repeats)
     return 0
 
 

@@ -11,12 +11,16 @@ from pathlib import Path
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 MODELS = ("mlp", "cnn")
+# The FedSparse gated MLP (hard-concrete gates with a noise input, trainable thresholds v, L0 penalty):
+# checked through ``loss_and_grads`` (its optimisers run in numpy on the device) at T = 1e-3 and T = 1.
+GATED = "gated"
+GATED_SIZES = [64, 32, 16, 10]
+ALL_MODELS = MODELS + (GATED,)
 RUNTIMES = ("torch", "ort", "executorch")
 PROGRAM_SUFFIX = {"torch": "torch.json", "ort": "ort", "executorch": "pte"}
 REL_TOL = 1e-4
 BATCH = 20
 LR = 0.1
-
 
 
 def peak_rss_mb() -> float:

@@ -231,7 +231,13 @@ def test_daemon_style_build_program_uses_the_cache(tmp_path, monkeypatch):
     assert p1.data == p2.data
     assert programs.build_program(spec, "torch", objective="fedsparse") == torch_program(spec, "fedsparse")
     with pytest.raises(ValueError, match="objective"):
-        programs.build_program(spec, "executorch", objective="fedsparse")
+        programs.build_program(spec, "executorch", objective="fedmix")  # no exporter for it yet
+    with pytest.raises(ValueError, match="MLPs only"):
+        programs.build_program(ZOO["cnn"], "ort", objective="fedsparse")
+    # the gated ORT program is its own cache entry, next to the plain one
+    g1 = programs.build_program(spec, "ort", cache_dir=tmp_path, objective="fedsparse")
+    monkeypatch.setattr(programs, "export_ort_gated", lambda *a, **k: pytest.fail("exported again"))
+    assert programs.build_program(spec, "ort", cache_dir=tmp_path, objective="fedsparse").data == g1.data != p1.data
 
 
 def test_export_cli(tmp_path, capsys):

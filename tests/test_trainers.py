@@ -252,3 +252,50 @@ def test_ort_nominal_and_full_checkpoints(nominal):
         assert t.step(x, y, 0.1 * (i + 1)) == pytest.approx(ref.step(x, y, 0.1 * (i + 1)), rel=1e-5)
     got, want = t.get_weights(), ref.get_weights()
     assert max(_rel(got[k], want[k]) for k in want) <= 1e-5
+
+
+def _run_flat(ep, args):
+    """Run an exported program's graph on (parameters, user inputs) and return its flat outputs."""
+    from torch.export.graph_signature import InputKind
+    user = iter(args)
+    flat = [ep.state_dict[s.target] if s.kind == InputKind.PARAMETER else next(user)
+            for s in ep.graph_signature.input_specs]
+    return list(ep.graph_module(*flat))
+
+
+def test_clean_training_graph_is_exact():
+    """The XNNPACK clean-ups (fold transposes and aliases, addmm -> linear, ReLU backward as
+    g * ceil(clamp(r, 0, 1))) fire on the joint MLP graph and leave every output equal (to the ulp by
+    which linear and addmm round differently), including a unit whose pre-activation is exactly 0."""
+    import copy
+    import torch
+    from executorch.exir import EdgeCompileConfig, to_edge
+    from executorch.exir.dialects._ops import ops as exir_ops
+    from torch.export import export
+    from torch.export.experimental import _export_forward_backward
+    from edge.model import mlp
+    from export.models import build
+    from export.programs import _WeightedCE, clean_training_graph
+    spec = mlp([6, 5, 4, 3])
+    net = build(spec, init_weights(spec, 0))
+    with torch.no_grad():
+        net.fc0.weight[1] = 0
+        net.fc0.bias[1] = 0  # unit 1 of layer 0: relu input exactly 0 -> no gradient flows through it
+    ex = (torch.randn(4, 6), torch.tensor([0, 1, 2, 1]), torch.full((4,), 0.25))
+    ep = _export_forward_backward(export(_WeightedCE(net), ex, strict=True))
+    edge = to_edge(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    before = copy.deepcopy(edge.exported_program())
+    after = edge.transform([clean_training_graph]).exported_program()
+    E = exir_ops.edge.aten
+    targets = [n.target for n in after.graph.nodes if n.op == "call_function"]
+    assert E.alias_copy.default not in targets and E.addmm.default not in targets and E.le.Scalar not in targets
+    assert targets.count(E.linear.default) == 3 and targets.count(E.ceil.default) == 2
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        args = (torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g), torch.full((4,), 0.25))
+        want, got = _run_flat(before, args), _run_flat(after, args)
+        assert len(want) == len(got) == 2 + 6  # loss, logits, 6 gradients
+        for a, b in zip(want, got):  # linear and addmm may round differently in eager torch: ~1 ulp
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        gw = [t for t in got if tuple(t.shape) == (5, 6)]  # the gradient of fc0.weight
+        assert len(gw) == 1 and torch.equal(gw[0][1], torch.zeros(6)) and gw[0].abs().sum() > 0  # dead unit

@@ -34,3 +34,14 @@ def batch(spec: dict, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     x = rng.normal(size=(n, input_size(spec))).astype(np.float32)
     y = rng.integers(0, num_classes(spec), n).astype(np.int64)
     return x, y
+
+
+GATED_SIZES = (64, 30, 20, 10)  # small: the gated tests need every runtime, and ExecuTorch exports are slow
+
+
+@functools.lru_cache(maxsize=None)
+def gated_program(runtime: str, sizes: tuple[int, ...] = GATED_SIZES) -> bytes:
+    """A FedSparse (gated objective) program for ``mlp(sizes)``, exported once per session."""
+    from edge.model import mlp
+    prog, _info = store().get(mlp(list(sizes)), runtime, objective="fedsparse")
+    return prog.data

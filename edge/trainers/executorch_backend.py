@@ -10,6 +10,10 @@ cross-entropy exactly while letting programs have a fixed batch (CNNs: torch's f
 clamps a dynamic batch to [2, 15]) or a bounded dynamic one (MLPs: 1..max). Batches longer than the
 program allows are split and their gradients summed before the single SGD update.
 
+Gated programs (``objective: "fedsparse"`` in the metadata, :mod:`export.gated`) hold
+``forward(x, y, w, u..., theta_logit..., lambda0, ce_scale, T)`` returning ``[loss, grads...,
+params...]``; :meth:`ExecuTorchTrainer.loss_and_grads` feeds them by name (``meta["inputs"]``).
+
 Traps handled (see /work/shared/notes/runtimes.md): the program bytes must outlive the loaded method
 (ExecuTorch does not copy them), so the trainer keeps a reference; ``named_parameters`` only exist
 after a first forward-backward, so :meth:`load` runs one on a dummy batch (no update).
@@ -46,7 +50,10 @@ def zero_weights_ptd(meta: dict[str, Any]) -> bytes:
 
     from ..model import param_shapes
 
-    shapes = param_shapes(meta["model"])
+    shapes = dict(param_shapes(meta["model"]))
+    for name in meta["params"]:
+        if name.endswith(".v"):  # gated programs: one threshold per unit of hidden layer fc{i}
+            shapes[name] = (int(meta["model"]["sizes"][int(name[2:-2]) + 1]),)
     buffers, named = [], {}
     for i, name in enumerate(meta["params"]):
         shape = list(shapes[name])
@@ -105,11 +112,25 @@ class ExecuTorchTrainer:
         self._fixed = meta["batch"] == "fixed"
         self._min, self._max = int(meta["min_batch"]), int(meta["max_batch"])
         self._nin = input_size(self.spec)
+        self.objective = meta.get("objective", "ce")
         # One forward-backward on a dummy batch exposes the parameter tensors (aliases of the program's
         # weight memory); nothing is updated.
-        outs = self._run(np.zeros((self._min, self._nin), np.float32), np.zeros(self._min, np.int64),
-                         np.full(self._min, 1.0 / self._min, np.float32))
+        if self.objective == "ce":
+            outs = self._run(np.zeros((self._min, self._nin), np.float32), np.zeros(self._min, np.int64),
+                             np.full(self._min, 1.0 / self._min, np.float32))
+        else:
+            sizes = self.spec["sizes"]
+            dummy = {"x": np.zeros((self._min, self._nin), np.float32), "y": np.zeros(self._min, np.int64),
+                     "lambda0": np.float32(0), "ce_scale": np.float32(0), "T": np.float32(1)}
+            for i in range(len(sizes) - 2):
+                dummy[f"u{i}"] = np.full(sizes[i + 1], 0.5, np.float32)
+                dummy[f"theta_logit{i}"] = np.zeros(sizes[i + 1], np.float32)
+            outs = self._run_gated(dummy)
         self._p = {n: outs[self._pi + i] for i, n in enumerate(self._names)}
+        # numpy views of the parameter memory: weight copies and SGD updates run in numpy, because
+        # torch's elementwise ops go multi-threaded (OpenMP) on tensors over 32768 elements whatever
+        # ``threads`` says; under load those spinning threads stalled steps 100x (0.1 ms -> 10 ms).
+        self._np = {n: p.numpy() for n, p in self._p.items()}
         self._shapes = {n: tuple(p.shape) for n, p in self._p.items()}
         log.debug("loaded ExecuTorch program %s (%s batch %d..%d, xnnpack=%s)", self.spec.get("arch"),
                   meta["batch"], self._min, self._max, meta.get("xnnpack"))
@@ -122,6 +143,39 @@ class ExecuTorchTrainer:
         t = self._torch
         return self._m.run_method("forward", (t.from_numpy(x), t.from_numpy(y), t.from_numpy(w)),
                                   clone_outputs=False)
+
+    def _run_gated(self, batch: dict[str, np.ndarray]) -> list:
+        """The gated method on inputs by name (``w`` = 1/N per row: torch's batch-mean cross-entropy)."""
+        t = self._torch
+        x, y = self._inputs(batch["x"], batch["y"])
+        n = len(x)
+        if not self._min <= n <= self._max:
+            raise ValueError(f"batch of {n} rows, the gated program takes {self._min}..{self._max}")
+        feeds = []
+        for name in self.meta["inputs"]:
+            if name == "x":
+                a = x
+            elif name == "y":
+                a = y
+            elif name == "w":
+                a = np.full(n, 1.0 / n, np.float32)
+            else:
+                a = np.array(batch[name], dtype=np.float32)  # keeps 0-d scalars 0-d
+            feeds.append(t.from_numpy(a))
+        return self._m.run_method("forward", tuple(feeds), clone_outputs=False)
+
+    def loss_and_grads(self, batch: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+        """The gated objective and the gradient of every parameter, at the current weights."""
+        self._need()
+        if self.objective == "ce":
+            raise ValueError("loss_and_grads needs a gated (fedsparse) program")
+        outs = self._run_gated(batch)
+        grads = {n: outs[self._gi + i].numpy().copy() for i, n in enumerate(self._names)}
+        return float(outs[0]), {n: grads[n] for n in self.params}  # the program's order is by module
+
+    def _plain(self) -> None:
+        if self.objective != "ce":
+            raise ValueError("a gated program only computes loss_and_grads (its optimisers run in numpy)")
 
     def _chunks(self, x: np.ndarray, y: np.ndarray):
         """(x, y, w, n_real) per program call: rows 1/N-weighted, padded with w=0 rows as needed."""
@@ -158,42 +212,42 @@ class ExecuTorchTrainer:
             if a.shape != self._shapes[k]:
                 raise ValueError(f"{k}: shape {a.shape}, program wants {self._shapes[k]}")
             arrays[k] = a
-        t = self._torch
-        with t.no_grad():
-            for k, a in arrays.items():
-                self._p[k].copy_(t.from_numpy(a))
+        for k, a in arrays.items():
+            np.copyto(self._np[k], a)
 
     def get_weights(self) -> dict[str, np.ndarray]:
         self._need()
-        return {k: self._p[k].detach().numpy().copy() for k in self.params}
+        return {k: self._np[k].copy() for k in self.params}
 
     def step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
         self._need()
+        self._plain()
         x, y = self._inputs(x, y)
         if len(x) == 0:
             raise ValueError("empty batch")
-        t = self._torch
         loss, grads = 0.0, None
         chunks = list(self._chunks(x, y))
         for xc, yc, w, _k in chunks:
             outs = self._run(xc, yc, w)
             loss += float(outs[0])
-            g = outs[self._gi:self._pi]
+            g = [gi.numpy() for gi in outs[self._gi:self._pi]]
             if len(chunks) == 1:
                 grads = g  # program memory, valid until the next run: used right away
             elif grads is None:
-                grads = [gi.clone() for gi in g]
+                grads = [gi.copy() for gi in g]
             else:
                 for acc, gi in zip(grads, g):
-                    acc.add_(gi)
-        with t.no_grad():
-            for name, g in zip(self._names, grads):
-                self._p[name].sub_(g, alpha=lr)
+                    acc += gi
+        lr32 = np.float32(lr)
+        for name, g in zip(self._names, grads):
+            p = self._np[name]
+            p -= lr32 * g
         return loss
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """Runs the joint method (gradients computed and dropped; weights untouched)."""
         self._need()
+        self._plain()
         x, y = self._inputs(x, y)
         if len(x) == 0:
             raise ValueError("nothing to evaluate")
