@@ -108,8 +108,10 @@ class Coordinator:
         self.done = threading.Event()
         if self.machine.finished:
             self.done.set()
+        # keepalive 120 s: exporting a program for a new shape (ExecuTorch: 10-45 s) runs on the network
+        # thread, and the broker drops a client silent for 1.5 x keepalive.
         self.link = MqttLink(cfg.broker, cfg.client_id, self, subscriptions=self.machine.subscriptions(),
-                             clean_session=False, keepalive=30, tick_s=0.05, max_inflight=1000)
+                             clean_session=False, keepalive=120, tick_s=0.05, max_inflight=1000)
         self.error: BaseException | None = None
 
     # ---- LinkHandler
