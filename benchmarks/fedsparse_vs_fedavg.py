@@ -147,12 +147,16 @@ def main() -> int:
                                                     "final_density": v["final_density"]} for k, v in l1_tune.items()},
                          "fedl1_lambda": best_l1},
               "runs": runs, "floors": floors,
+              # seed-0 curves, so the plot can be redrawn without rerunning
+              "curves": {k: [{f: r.get(f) for f in ("round", "accuracy", "bytes_down", "bytes_up", "density")}
+                             for r in v[0]["rounds"]] for k, v in per_label.items()},
               "per_seed": {k: [{kk: vv for kk, vv in r.items() if kk != "rounds"} for r in v]
                            for k, v in per_label.items()}}
     write_json(args.out, result)
     plot_accuracy_vs_bytes([(k, v[0]["rounds"]) for k, v in per_label.items()],
                            Path(args.out).with_suffix(".png"),
-                           title=f"digits, 50 devices, seed {args.seeds[0]}, runtime {args.runtime}")
+                           title=f"digits, 50 devices, seed {args.seeds[0]}, runtime {args.runtime}",
+                           logx=True, ylim=(0.85, 1.0))
     print(f"\n{'label':<16} {'accuracy':>8} {'vs fedadam':>10} {'MB':>8} {'saved':>6} {'density':>7}")
     for r in runs:
         print(f"{r['label']:<16} {r['accuracy']:>8.4f} {r['accuracy_vs_fedadam']:>+10.4f} "

@@ -22,8 +22,11 @@ def write_json(path: str | Path, data: Any) -> None:
     p.write_text(json.dumps(data, indent=2))
 
 
-def plot_accuracy_vs_bytes(runs: list[tuple[str, list[dict]]], path: str | Path, title: str = "") -> None:
-    """Test accuracy against cumulative MB on the wire (both directions), one line per run."""
+def plot_accuracy_vs_bytes(runs: list[tuple[str, list[dict]]], path: str | Path, title: str = "", *,
+                           logx: bool = False, ylim: tuple[float, float] | None = None) -> None:
+    """Test accuracy against cumulative MB on the wire (both directions), one line per run.
+
+    ``logx`` and ``ylim`` zoom on where runs differ: near the top, across orders of magnitude of bytes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -34,7 +37,11 @@ def plot_accuracy_vs_bytes(runs: list[tuple[str, list[dict]]], path: str | Path,
         for r in rows:
             total += r["bytes_down"] + r["bytes_up"]
             mb.append(total / 1e6)
-        ax.plot(mb, [r["accuracy"] for r in rows], marker=".", label=label)
+        ax.plot(mb, [r["accuracy"] for r in rows], marker="." if len(rows) <= 60 else None, lw=1.2, label=label)
+    if logx:
+        ax.set_xscale("log")
+    if ylim:
+        ax.set_ylim(*ylim)
     ax.set_xlabel("cumulative MB on the wire (plans + reports)")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
