@@ -76,6 +76,11 @@ def check(runtime: str, model: str, golden: Path) -> dict[str, Any]:
     except Exception as e:  # a broken runtime is a failed check, not a crash of the harness
         log.exception("%s/%s failed", runtime, model)
         r["error"] = f"{type(e).__name__}: {e}"
+    return _conclude(r, c, runtime)
+
+
+def _conclude(r: dict[str, Any], c: dict[str, bool], runtime: str) -> dict[str, Any]:
+    """Figures every check row carries, and its verdict: no error, every check passed, enough checks ran."""
     r["peak_mb"] = peak_rss_mb()
     r["torch_imported"] = "torch" in sys.modules
     if runtime == "ort":
@@ -150,12 +155,7 @@ def check_gated(runtime: str, golden: Path) -> dict[str, Any]:
     except Exception as e:  # a broken runtime is a failed check, not a crash of the harness
         log.exception("%s/%s failed", runtime, GATED)
         r["error"] = f"{type(e).__name__}: {e}"
-    r["peak_mb"] = peak_rss_mb()
-    r["torch_imported"] = "torch" in sys.modules
-    if runtime == "ort":
-        c["no_torch_needed"] = not r["torch_imported"]
-    r["ok"] = r["error"] is None and all(c.values()) and len(c) >= 4
-    return r
+    return _conclude(r, c, runtime)
 
 
 def run_runtime(runtime: str, golden: Path) -> list[dict[str, Any]]:

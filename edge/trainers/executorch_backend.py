@@ -14,7 +14,7 @@ Gated programs (``objective: "fedsparse"`` in the metadata, :mod:`export.gated`)
 ``forward(x, y, w, u..., theta_logit..., lambda0, ce_scale, T)`` returning ``[loss, grads...,
 params...]``; :meth:`ExecuTorchTrainer.loss_and_grads` feeds them by name (``meta["inputs"]``).
 
-Traps handled (see /work/shared/notes/runtimes.md): the program bytes must outlive the loaded method
+Traps handled (see shared/notes/runtimes.md): the program bytes must outlive the loaded method
 (ExecuTorch does not copy them), so the trainer keeps a reference; ``named_parameters`` only exist
 after a first forward-backward, so :meth:`load` runs one on a dummy batch (no update).
 """

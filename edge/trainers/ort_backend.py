@@ -27,7 +27,7 @@ per parameter): the weights always arrive with the plan. Two traps with it, both
 was copied in (``copy_buffer_to_parameters(..., trainable_only=False)``), and an ``Optimizer``
 created *before* that segfaults in ``set_learning_rate`` (measured, exit 139); created after, it works.
 
-Traps handled here (see /work/shared/notes/runtimes.md):
+Traps handled here (see shared/notes/runtimes.md):
 - ``import onnxruntime.training`` imports torch; we register a stub package for it when torch is not
   already loaded, so ``training.api`` loads without torch.
 - Setting a parameter on a ``CheckpointState`` that is not yet bound to a ``Module`` segfaults; the
