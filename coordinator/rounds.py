@@ -154,7 +154,7 @@ class RoundMachine:
 
     def _on_checkin(self, m: CheckIn, now: float) -> list[Action]:
         rec = self.registry.checkin(m.device_id, m.capabilities, m.programs, m.n_samples, now)
-        if self.open and m.device_id in self.open.selected and m.device_id not in self.open.finished:
+        if self.open and m.device_id in self.open.plans and m.device_id not in self.open.finished:
             # It checked in again without reporting: it lost or refused the plan.
             self._mark_gone(m.device_id, "checked in without reporting")
         why = self.cfg.eligibility.reason_against(rec.capabilities)
@@ -169,7 +169,7 @@ class RoundMachine:
         log.info("device %s went offline", m.device_id)
         self.registry.offline(m.device_id)
         out: list[Action] = [Persist("device_offline", {"device_id": m.device_id})]
-        if self.open and m.device_id in self.open.selected:
+        if self.open and m.device_id in self.open.plans:
             self._mark_gone(m.device_id, "offline")
             out += self._maybe_close(now)
         return out
