@@ -8,6 +8,7 @@ import numpy as np
 
 from . import gates
 from .fedmix import run_fedmix
+from .fedmix_sparse import run_fedmix_sparse
 from .optim import Adamax, sgd
 from .state import LocalState
 from .training import batches, local_train
@@ -120,9 +121,10 @@ def run_fedl1(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray) -> Rep
                   tensors)
 
 
-CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse, "fedl1": run_fedl1, "fedmix": run_fedmix}
+CLIENTS = {"fedavg": run_fedavg, "fedsparse": run_fedsparse, "fedl1": run_fedl1, "fedmix": run_fedmix,
+           "fedmix_sparse": run_fedmix_sparse}
 # client halves that take the device's LocalState as a fifth argument (FedMix keeps its private gate there)
-STATEFUL: set = {run_fedmix}
+STATEFUL: set = {run_fedmix, run_fedmix_sparse}
 
 
 def run_plan(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray, state: LocalState | None = None) -> Report:

@@ -26,6 +26,9 @@ def make_strategy(name: str, **kw) -> Strategy:
     if name == "fedmix":
         from .fedmix import FedMix
         return FedMix(**kw)
+    if name == "fedmix_sparse":
+        from .fedmix_sparse import FedMixSparse
+        return FedMixSparse(**kw)
     raise ValueError(f"unknown strategy {name!r}")
 
 

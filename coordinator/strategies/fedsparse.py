@@ -155,28 +155,7 @@ class FedSparse:
         v = {f"fc{i}": opt[f"v/fc{i}"].copy() for i in self.gated}
         vopt.step(v, acc.grad_v)
         alive = {i: opt[f"alive/fc{i}"].astype(bool) for i in self.gated}
-        G.zero_dead(w, alive)  # Adam moments must not revive a pruned group
-        # Line 3: prune theta < eps, and keep pruning from cascading into the next layer.
-        for i in self.gated:
-            theta = gates.sigmoid(gates.logits(w[f"fc{i}.weight"], w[f"fc{i}.bias"], v[f"fc{i}"], self.T))
-            newly = alive[i] & (theta < self.prune_below)
-            if not newly.any():
-                continue
-            if not (alive[i] & ~newly).any():
-                # The paper is silent; a layer with no unit left is a dead network, so the unit with the
-                # highest theta always survives.
-                newly[np.flatnonzero(alive[i])[np.argmax(theta[alive[i]])]] = False
-            alive[i] &= ~newly
-            if i + 1 in self.gated:
-                nxt = f"fc{i + 1}"
-                before = gates.group_norms(w[f"{nxt}.weight"], w[f"{nxt}.bias"])
-                w[f"{nxt}.weight"][:, newly] = 0.0
-                after = gates.group_norms(w[f"{nxt}.weight"], w[f"{nxt}.bias"])
-                # Shift the next layer's thresholds down by exactly the norm its groups lose, so their
-                # theta is unchanged at this moment (notes: fedsparse-lessons.md).
-                tau = gates.softplus(v[nxt].astype(np.float64)) - (before - after)
-                v[nxt] = np.where(alive[i + 1], gates.softplus_inv(tau), v[nxt]).astype(np.float32)
-            G.zero_dead(w, alive)
+        prune(w, v, alive, self.gated, self.T, self.prune_below)  # Alg. 1 line 3
         for i in self.gated:
             opt[f"v/fc{i}"] = v[f"fc{i}"].astype(np.float32)
             opt[f"alive/fc{i}"] = alive[i].astype(np.uint8)
@@ -194,3 +173,30 @@ class FedSparse:
         alive = self._alive(state)
         per_layer = {f"density_fc{i}": float(a.mean()) for i, a in alive.items()}
         return {"density": G.density(alive), "kept": state.meta.get("kept", 1.0)} | per_layer
+
+
+def prune(w: dict[str, np.ndarray], v: dict[str, np.ndarray], alive: dict[int, np.ndarray], gated: list[int],
+          T: float, prune_below: float) -> None:
+    """Alg. 1 line 3 on one network (names ``fc{i}.*``), in place: prune groups with theta < epsilon.
+
+    Dead rows are zeroed first (Adam moments must not revive a pruned group). The paper is silent on a
+    layer with no unit left, a dead network, so its most probable unit survives. Pruning a unit removes
+    its column in the next layer; that layer's thresholds drop by exactly the norm their groups lose, so
+    their theta is unchanged at that moment (at T = 1e-3 the lost norm alone would prune them)."""
+    G.zero_dead(w, alive)
+    for i in gated:
+        theta = gates.sigmoid(gates.logits(w[f"fc{i}.weight"], w[f"fc{i}.bias"], v[f"fc{i}"], T))
+        newly = alive[i] & (theta < prune_below)
+        if not newly.any():
+            continue
+        if not (alive[i] & ~newly).any():
+            newly[np.flatnonzero(alive[i])[np.argmax(theta[alive[i]])]] = False
+        alive[i] &= ~newly
+        if i + 1 in gated:
+            nxt = f"fc{i + 1}"
+            before = gates.group_norms(w[f"{nxt}.weight"], w[f"{nxt}.bias"])
+            w[f"{nxt}.weight"][:, newly] = 0.0
+            after = gates.group_norms(w[f"{nxt}.weight"], w[f"{nxt}.bias"])
+            tau = gates.softplus(v[nxt].astype(np.float64)) - (before - after)
+            v[nxt] = np.where(alive[i + 1], gates.softplus_inv(tau), v[nxt]).astype(np.float32)
+        G.zero_dead(w, alive)
