@@ -156,7 +156,7 @@ def main() -> int:
     plot_accuracy_vs_bytes([(k, v[0]["rounds"]) for k, v in per_label.items()],
                            Path(args.out).with_suffix(".png"),
                            title=f"digits, 50 devices, seed {args.seeds[0]}, runtime {args.runtime}",
-                           logx=True, ylim=(0.85, 1.0))
+                           logx=True, ylim=(0.85, 1.0), smooth=5)
     print(f"\n{'label':<16} {'accuracy':>8} {'vs fedadam':>10} {'MB':>8} {'saved':>6} {'density':>7}")
     for r in runs:
         print(f"{r['label']:<16} {r['accuracy']:>8.4f} {r['accuracy_vs_fedadam']:>+10.4f} "

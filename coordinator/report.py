@@ -23,25 +23,35 @@ def write_json(path: str | Path, data: Any) -> None:
 
 
 def plot_accuracy_vs_bytes(runs: list[tuple[str, list[dict]]], path: str | Path, title: str = "", *,
-                           logx: bool = False, ylim: tuple[float, float] | None = None) -> None:
+                           logx: bool = False, ylim: tuple[float, float] | None = None, smooth: int = 1) -> None:
     """Test accuracy against cumulative MB on the wire (both directions), one line per run.
 
-    ``logx`` and ``ylim`` zoom on where runs differ: near the top, across orders of magnitude of bytes."""
+    ``logx`` and ``ylim`` zoom on where runs differ: near the top, across orders of magnitude of bytes;
+    ``smooth`` averages accuracy over that many rounds (round-to-round noise hides the ordering)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    import numpy as np
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    left = None
     for label, rows in runs:
-        mb, total = [], 0
-        for r in rows:
-            total += r["bytes_down"] + r["bytes_up"]
-            mb.append(total / 1e6)
-        ax.plot(mb, [r["accuracy"] for r in rows], marker="." if len(rows) <= 60 else None, lw=1.2, label=label)
+        mb = np.cumsum([r["bytes_down"] + r["bytes_up"] for r in rows]) / 1e6
+        acc = np.array([r["accuracy"] for r in rows], float)
+        if smooth > 1 and len(acc) >= smooth:
+            acc = np.convolve(acc, np.ones(smooth) / smooth, mode="valid")
+            mb = mb[smooth - 1:]
+        ax.plot(mb, acc, marker="." if len(rows) <= 60 else None, lw=1.4, label=label)
+        if ylim is not None and (acc >= ylim[0]).any():
+            first = mb[np.argmax(acc >= ylim[0])]
+            left = first if left is None else min(left, first)
     if logx:
         ax.set_xscale("log")
     if ylim:
         ax.set_ylim(*ylim)
+        if left is not None:
+            ax.set_xlim(left=left * 0.8)
     ax.set_xlabel("cumulative MB on the wire (plans + reports)")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
