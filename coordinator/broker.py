@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import logging
 import os
 import shutil
@@ -31,7 +32,8 @@ def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | Non
     end = time.time() + timeout
     while time.time() < end:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"broker exited with code {proc.returncode}")
+            err = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
+            raise RuntimeError(f"broker exited with code {proc.returncode}: {err}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -81,7 +83,9 @@ def mosquitto_binary() -> str | None:
 class Mosquitto(_Child):
     """A private Mosquitto on a free loopback port, with limits set explicitly (not the defaults)."""
 
-    def __init__(self, port: int | None = None, *, max_packet_mb: int = 64, max_queued: int = 10000):
+    def __init__(self, port: int | None = None, *, max_packet_mb: int = 64, max_queued: int = 10000,
+                 auth: dict[str, Path] | None = None):
+        """``auth``: paths from :func:`coordinator.credentials.write_mosquitto_auth` (per-device ACLs)."""
         exe = mosquitto_binary()
         if exe is None:
             raise RuntimeError("mosquitto is not installed (apt-get install mosquitto)")
@@ -89,7 +93,11 @@ class Mosquitto(_Child):
         self.dir = tempfile.mkdtemp(prefix="fedge-mosq-")
         conf = Path(self.dir) / "mosquitto.conf"
         conf.write_text(
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+            # The private broker runs as whoever started it (as root, Mosquitto would switch to its own
+            # user, which cannot read the test's files).
+            f"listener {self.port} 127.0.0.1\npersistence false\nuser {getpass.getuser()}\n"
+            + (f"allow_anonymous false\npassword_file {auth['passwd']}\nacl_file {auth['acl']}\n" if auth
+               else "allow_anonymous true\n") +
             f"message_size_limit {max_packet_mb * 1024 * 1024}\nmax_queued_messages {max_queued}\n"
             f"max_inflight_messages 1000\nlog_dest stderr\nlog_type error\nlog_type warning\n"
         )
