@@ -157,6 +157,10 @@ class FedMix:
         for k, t in report.tensors.items():
             if t.shape != plan.weights[k].shape or (t.mask is not None and not t.mask.all()):
                 raise ReportRejected(f"{k}: expected a dense {plan.weights[k].shape}")
+        return back, self.check_extras(report, back)
+
+    def check_extras(self, report: Report, back: list[int]) -> np.ndarray:
+        """q(z|s): a distribution, positive exactly on the returned experts; phi when the variant has one."""
         q = report.extras.get("qzs")
         if q is None or q.shape != (self.K,) or (q < 0).any() or abs(float(q.sum()) - 1) > 1e-3:
             raise ReportRejected("qzs must be a distribution over the K experts")
@@ -166,7 +170,7 @@ class FedMix:
             phi = report.extras.get("phi")
             if phi is None or phi.shape != (self.C, self.K):
                 raise ReportRejected("phi missing or of the wrong shape")
-        return back, q.astype(np.float64)
+        return q.astype(np.float64)
 
     def accumulate(self, state: ServerState, acc: Accumulator, plan: DevicePlan, report: Report) -> None:
         back, q = self.check(plan, report)

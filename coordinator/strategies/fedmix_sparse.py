@@ -147,15 +147,7 @@ class FedMixSparse(FedMix):
                         raise ReportRejected(f"e{k}.fc{i}: weight and bias must carry the same group mask")
                 elif any(m is not None and not m.all() for m in (mw, mb)):
                     raise ReportRejected(f"e{k}.fc{i}: the output layer is never gated")
-        q = report.extras.get("qzs")
-        if q is None or q.shape != (self.K,) or (q < 0).any() or abs(float(q.sum()) - 1) > 1e-3:
-            raise ReportRejected("qzs must be a distribution over the K experts")
-        if set(np.flatnonzero(q > 0).tolist()) != set(back):
-            raise ReportRejected("q(z|s) must be positive exactly on the returned experts")
-        phi = report.extras.get("phi")
-        if phi is None or phi.shape != (self.C, self.K):
-            raise ReportRejected("phi missing or of the wrong shape")
-        return back, q.astype(np.float64)
+        return back, self.check_extras(report, back)
 
     def accumulate(self, state: ServerState, acc: Accumulator, plan: DevicePlan, report: Report) -> None:
         back, q = self.check(plan, report)
