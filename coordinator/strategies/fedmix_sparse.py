@@ -42,7 +42,7 @@ from edge.wire import Report
 from . import groups as G
 from .base import DevicePlan, ReportRejected, ServerState, received_weights, upload_spec
 from .fedmix import FedMix, entropy_grad
-from .fedsparse import prune
+from .fedsparse import prune, threshold_grad
 
 
 @dataclass
@@ -165,10 +165,9 @@ class FedMixSparse(FedMix):
             acc.den[k] += wgt
             for i in self.gated:  # FedSparse line 8, per expert, every device that trained it, unweighted
                 z = report.tensors[f"e{k}.fc{i}.bias"].mask
-                v = plan.weights[f"e{k}.fc{i}.v"].astype(np.float64)
-                theta = gates.sigmoid(gates.logits(plan.weights[f"e{k}.fc{i}.weight"],
-                                                   plan.weights[f"e{k}.fc{i}.bias"], v, self.T))
-                acc.grad_v[f"e{k}.fc{i}"][idx[f"fc{i}.bias"][0]] += -(z - theta) * gates.sigmoid(v) / self.T
+                acc.grad_v[f"e{k}.fc{i}"][idx[f"fc{i}.bias"][0]] += threshold_grad(
+                    plan.weights[f"e{k}.fc{i}.weight"], plan.weights[f"e{k}.fc{i}.bias"],
+                    plan.weights[f"e{k}.fc{i}.v"], z, self.T)
                 acc.kept.append(float(z.mean()))
         acc.phi += n * report.extras["phi"].astype(np.float64)
         acc.total_n += n

@@ -139,9 +139,8 @@ class FedSparse:
         # Line 8: -(z_s - theta) sigmoid(v) / T, per surviving group.
         for i in self.gated:
             rows = idx[f"fc{i}.bias"][0]
-            v = plan.weights[f"fc{i}.v"].astype(np.float64)
-            theta = gates.sigmoid(gates.logits(sent[f"fc{i}.weight"], sent[f"fc{i}.bias"], v, self.T))
-            acc.grad_v[f"fc{i}"][rows] += -(zs[i] - theta) * gates.sigmoid(v) / self.T
+            acc.grad_v[f"fc{i}"][rows] += threshold_grad(sent[f"fc{i}.weight"], sent[f"fc{i}.bias"],
+                                                          plan.weights[f"fc{i}.v"], zs[i], self.T)
         acc.count += 1
         acc.kept.append(float(np.mean(np.concatenate([zs[i] for i in self.gated]))))
 
@@ -200,3 +199,11 @@ def prune(w: dict[str, np.ndarray], v: dict[str, np.ndarray], alive: dict[int, n
             tau = gates.softplus(v[nxt].astype(np.float64)) - (before - after)
             v[nxt] = np.where(alive[i + 1], gates.softplus_inv(tau), v[nxt]).astype(np.float32)
         G.zero_dead(w, alive)
+
+
+def threshold_grad(w: np.ndarray, b: np.ndarray, v: np.ndarray, z: np.ndarray, T: float) -> np.ndarray:
+    """One client's term of Alg. 1 line 8, -(z - theta) sigmoid(v) / T: the gradient of
+    z log theta + (1 - z) log(1 - theta) through theta = sigmoid((||w|| - softplus(v)) / T), norms detached."""
+    v = v.astype(np.float64)
+    theta = gates.sigmoid(gates.logits(w, b, v, T))
+    return -(z - theta) * gates.sigmoid(v) / T

@@ -64,9 +64,17 @@ class TorchMixture:
         lg = F.log_softmax(hs @ self._p["gate.A"][:, idx] + self._p["gate.b"][idx], dim=1)
         return lg, idx, list(logits)
 
+    def _begin(self, b: dict[str, np.ndarray]) -> None:
+        """Per-batch set-up before the forward pass (a subclass's gates read their inputs here)."""
+
+    def _extra_loss(self) -> torch.Tensor | float:
+        """Terms a subclass adds to the objective (FedSparse's penalties in the composition)."""
+        return 0.0
+
     def loss_and_grads(self, b: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
         for p in self._p.values():
             p.grad = None
+        self._begin(b)
         y = torch.from_numpy(np.ascontiguousarray(b["y"], np.int64))
         lg, idx, logits = self._tables(b)
         ll = torch.stack([-F.cross_entropy(z, y, reduction="none") for z in logits], dim=1)
@@ -74,7 +82,7 @@ class TorchMixture:
             q = torch.from_numpy(np.asarray(b["pi"], np.float32)).expand(len(y), -1)
         else:
             q = torch.softmax(self._p["phi"][y][:, idx], dim=1)
-        loss = -(q * (ll + lg)).sum(1).mean()
+        loss = -(q * (ll + lg)).sum(1).mean() + self._extra_loss()
         loss.backward()
         out = {k: p.grad.numpy().copy() for k, p in self._p.items() if p.grad is not None}
         out["out:ll"] = ll.detach().numpy().copy()

@@ -61,20 +61,11 @@ class TorchMixtureSparse(TorchMixture):
         full[:, torch.from_numpy(np.asarray(b[f"units{k}"], np.int64))] = feat
         return h, full
 
-    def loss_and_grads(self, b: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
-        for p in self._p.values():
-            p.grad = None
-        self._b, self._penalty = b, torch.zeros(())
-        y = torch.from_numpy(np.ascontiguousarray(b["y"], np.int64))
-        lg, idx, logits = self._tables(b)
-        ll = torch.stack([-F.cross_entropy(z, y, reduction="none") for z in logits], dim=1)
-        q = torch.softmax(self._p["phi"][y][:, idx], dim=1)
-        loss = -(q * (ll + lg)).sum(1).mean() + self._penalty
-        loss.backward()
-        out = {k: p.grad.numpy().copy() for k, p in self._p.items() if p.grad is not None}
-        out["out:ll"] = ll.detach().numpy().copy()
-        out["out:lg"] = lg.detach().numpy().copy()
-        return float(loss.detach()), out
+    def _begin(self, b: dict[str, np.ndarray]) -> None:
+        self._b, self._penalty = b, torch.zeros(())  # expert() reads the gate inputs and adds the penalties
+
+    def _extra_loss(self) -> torch.Tensor:
+        return self._penalty
 
     def predict_proba(self, b: dict[str, np.ndarray]) -> np.ndarray:
         self._b = {k: v for k, v in b.items() if not (k.startswith("u") and not k.startswith("units"))}
