@@ -34,7 +34,7 @@ EARNED: dict[str, Any] = {"theta0": 0.9, "server_lr": 3e-2, "relative": True, "T
                           "anneal_from": 60, "anneal_rounds": 60, "v_lr_follows_T": True, "server_v_lr": 0.01,
                           "v_lr": 0.01, "lambda0_ramp": 50}
 MAX_LINKS: dict[str, Any] = {"upload_dtype": "q8r", "upload_dtype_1d": "q8", "upload_sample": "norm",
-                             "upload_keep": 0.5, "upload_p_min": 0.05, "down_dtype": "q8r", "down_dtype_1d": "q8",
+                             "upload_keep": 0.47, "upload_p_min": 0.05, "down_dtype": "q8r", "down_dtype_1d": "q8",
                              "down_deltas": True}
 
 PRESETS: dict[str, dict[str, Any]] = {

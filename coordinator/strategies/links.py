@@ -110,8 +110,8 @@ def dense_report_bytes(dp: DevicePlan) -> int:
 
 def upload_for(dp: DevicePlan, caps: dict[str, Any], upload_s: float | None) -> DevicePlan:
     """``dp`` with its sampling budget cut to what the device's link carries in ``upload_s`` seconds (capability
-    ``link_kbps``), counted in value bytes; unchanged without either. A plan that did not sample yet samples by
-    norm."""
+    ``link_kbps``), counted in the update's bytes (values, probability codes, masks); unchanged without either.
+    A plan that did not sample yet samples by norm."""
     kbps = caps.get("link_kbps")
     if not upload_s or not isinstance(kbps, (int, float)) or isinstance(kbps, bool) or kbps <= 0:
         return dp
@@ -119,11 +119,8 @@ def upload_for(dp: DevicePlan, caps: dict[str, Any], upload_s: float | None) -> 
     if budget >= dense_report_bytes(dp):
         return dp
     up = dict(dp.upload)
-    # only matrices are sampled; vectors (biases) go whole and come off the budget first
-    shapes = dp.returned().values()
-    vec = sum(value_nbytes(value_format(up, len(s)), s) for s in shapes if len(s) < 2)
-    mat = sum(value_nbytes(value_format(up, len(s)), s) for s in shapes if len(s) >= 2)
-    keep = min(float(up.get("keep", 1.0)), max((budget - vec) / max(mat, 1), 1.0 / 255.0))
+    # keep bounds the whole update's bytes against the dense update (edge/algorithms/driver.py: row_keep)
+    keep = min(float(up.get("keep", 1.0)), max(budget / dense_report_bytes(dp), 1.0 / 255.0))
     up |= {"sample": up.get("sample", "norm"), "keep": keep, "p_min": min(float(up.get("p_min", 0.0)), keep),
            "delta": True}
     return replace(dp, upload=up)

@@ -94,6 +94,25 @@ def inclusion_probabilities(norms: list[np.ndarray], row_bytes: list[float], kee
     return [np.clip(np.ceil(p * 255.0 - 1e-9), 1, 255) / 255.0 for p in ps]
 
 
+PCODE_BYTES = 1  # a sent row's inclusion probability goes as a uint8 code
+
+
+def mask_bytes_bound(n: int) -> int:
+    """Bytes a sample mask over ``n`` rows takes at most: a bitmask (the codec sends the smallest form)."""
+    return (n + 7) // 8
+
+
+def row_keep(keep: float, dense: float, whole: float, rows: float) -> float:
+    """The fraction of the sampled rows' cost (``rows``: values plus a probability code each) that fits a budget
+    of ``keep`` x the value bytes of the whole update sent dense (``dense``), after what always goes (``whole``:
+    vectors, and a sample mask per matrix). So ``keep`` bounds the bytes of the update that is sent, not only
+    of its sampled values; half a grid step (p is rounded up to 1/255) is held back. At least one grid step."""
+    if rows <= 0:
+        return 1.0
+    fit = (keep * dense - whole) / rows - 0.5 / 255.0
+    return float(min(1.0, max(fit, 1.0 / 255.0)))
+
+
 def systematic_sample(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """A sample that contains row j with probability exactly p[j] (p <= 1) and has floor or ceil of sum(p)
     rows: systematic sampling over a random order (Madow 1949), so a budget in expectation is also a budget
@@ -119,8 +138,9 @@ def encode_update(new: dict[str, np.ndarray], plan: Plan, masks: dict[str, np.nd
 
     With ``upload.sample`` (``norm`` or ``uniform``; differences only) a tensor of two or more dimensions sends a
     random subset of its active rows, each with a known inclusion probability (:func:`inclusion_probabilities`,
-    drawn by :func:`systematic_sample`), so that the value bytes of all such tensors are about ``keep`` of a
-    full upload; the server divides each row by its probability (Horvitz-Thompson), which keeps the update
+    drawn by :func:`systematic_sample`), so that the update's bytes (values, probability codes, sample masks and
+    the vectors that go whole) are about ``keep`` of the same update's values sent dense (:func:`row_keep`); the
+    server divides each row by its probability (Horvitz-Thompson), which keeps the update
     unbiased. Vectors (biases) always go whole.
     """
     up = plan.upload
@@ -138,8 +158,12 @@ def encode_update(new: dict[str, np.ndarray], plan: Plan, masks: dict[str, np.nd
     probs: dict[str, np.ndarray] = {}
     if sampled:
         norms = [np.sqrt((rows[k].astype(np.float64) ** 2).reshape(len(rows[k]), -1).sum(1)) for k in sampled]
-        nb = [value_nbytes(value_format(up, 2), (1, *new[k].shape[1:])) for k in sampled]
-        probs = dict(zip(sampled, inclusion_probabilities(norms, nb, keep, p_min, design)))
+        nb = [value_nbytes(value_format(up, 2), (1, *new[k].shape[1:])) + PCODE_BYTES for k in sampled]
+        dense = sum(value_nbytes(value_format(up, w.ndim), rows[k].shape) for k, w in new.items())
+        whole = (sum(value_nbytes(value_format(up, w.ndim), rows[k].shape) for k, w in new.items() if k not in sampled)
+                 + sum(mask_bytes_bound(len(rows[k])) for k in sampled))
+        fit = row_keep(keep, dense, whole, sum(len(n) * b for n, b in zip(norms, nb)))
+        probs = dict(zip(sampled, inclusion_probabilities(norms, nb, fit, p_min, design)))
     rng_s = np.random.default_rng([plan.seed, STREAM_SAMPLE])
     out = {}
     for k, w in new.items():
