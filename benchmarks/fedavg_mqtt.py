@@ -345,6 +345,7 @@ def run_fleet(rounds: int, *, devices: int = 50, clients_per_round: int = 10, pr
 # ------------------------------------------------------------------ ingest mode
 
 def _ingest_setup(n_devices: int, clients_per_round: int, rounds: int, store_path: Path):
+    from coordinator.blas import one_blas_thread
     from coordinator.daemon import ProgramCatalog
     from coordinator.registry import Registry
     from coordinator.rounds import RoundConfig, RoundMachine
@@ -352,6 +353,7 @@ def _ingest_setup(n_devices: int, clients_per_round: int, rounds: int, store_pat
     from coordinator.strategies.fedavg import FedAvg
     from edge.model import mlp
 
+    one_blas_thread()  # as the daemon does
     spec = mlp(INGEST_SIZES)
     strategy = FedAvg(spec=spec)
     catalog = ProgramCatalog()
@@ -424,6 +426,8 @@ def _feed(machine, store, payloads, now: float, bar=None, batch: int = INGEST_BA
             elif isinstance(a, RoundCommitted):
                 committed += 1
         if (i + 1) % batch == 0 or i + 1 == len(payloads):
+            if records:  # the round's partial sums with the batch (durable sums), as the daemon writes them
+                records += [(a.what, a.data) for a in machine.checkpoint()]
             store.apply_batch(records)
             records = []
         if bar is not None:

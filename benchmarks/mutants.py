@@ -183,8 +183,13 @@ MUTANTS: list[Mutant] = [
     M("prox.client-global", "edge/algorithms/fedprox.py", "{f\"g.{k}\": np.asarray(v, np.float32) for k, v in w.items()}",
       "{f\"g.{k}\": self.params[k] for k, v in w.items()}", [CLI], "the proximal centre is the plan's w^t"),
     # ------------------------------------------------------------------ FedAvg / FedAdam / FedProx server
-    M("fedavg.sample-weights", "coordinator/strategies/fedavg.py", "acc.sums[k], n * received_weights(plan, report, k))",
-      "acc.sums[k], received_weights(plan, report, k))", [SRV], "N_s weights the mean"),
+    M("fedavg.sample-weights", "coordinator/strategies/fedavg.py", "acc._sums[k], n * received_weights(plan, report, k))",
+      "acc._sums[k], received_weights(plan, report, k))", [SRV], "N_s weights the mean"),
+    M("fedavg.buffer-weights", "coordinator/strategies/fedavg.py", "acc.add_update(k, w, d, n)",
+      "acc.add_update(k, w, d, 1.0)", [SRV], "N_s weights the mean (the float32 buffer's path)"),
+    M("fedavg.fold-base", "coordinator/strategies/fedavg.py", "s += np.multiply(base, tn, dtype=np.float64)",
+      "s += np.multiply(base, tn + 1.0, dtype=np.float64)", [SRV], "the buffer holds updates: W comes back "
+      "n-weighted"),
     M("fedavg.total-n", "coordinator/strategies/fedavg.py", "acc.total_n += n", "acc.total_n += 1.0", [SRV],
       "the mean divides by sum N_s"),
     M("fedavg.server-lr", "coordinator/strategies/fedavg.py", "new[k] + self.server_lr * diff[k]",

@@ -27,7 +27,7 @@ import numpy as np
 from edge.algorithms.driver import value_format
 from edge.protocol.wire import DTYPES, Report, TensorUpdate
 
-from .strategies.base import DevicePlan, ReportRejected
+from .strategies.base import DevicePlan, ReportRejected, plan_difference
 
 # values built in this process as plain arrays (no wire encoding to read): their format is their dtype
 _PLAIN_FORMATS = {np.dtype(np.float32): "f4", np.dtype(np.float16): "f2"}
@@ -159,9 +159,13 @@ def update_norm(plan: DevicePlan, report: Report, max_abs_value: float = math.in
         if t.sampled:  # differences (check_structure), read as the strategy will: each row over its probability
             v = v.astype(np.float32) / t.probs.astype(np.float32).reshape((-1,) + (1,) * (v.ndim - 1))
         elif not delta:
-            w = plan.weights[k]
-            w = w if t.mask is None else w[t.mask]
-            v = v - w.astype(v.dtype, copy=False)
+            d = plan_difference(plan, report, k)  # computed once for admission and the strategy's sum
+            if d is not None:
+                v = d
+            else:
+                w = plan.weights[k]
+                w = w if t.mask is None else w[t.mask]
+                v = v - w.astype(v.dtype, copy=False)
             w_max = _max_abs(plan, k)
         sq = _sq(v.astype(np.float32, copy=False))
         if not math.isfinite(sq):

@@ -19,6 +19,7 @@ from edge.protocol import wire
 from edge.runtime.mqtt import BrokerAddress, MqttLink
 from edge.runtime.program import Program, torch_program
 
+from .blas import one_blas_thread
 from .ingest import Inbox, inbox_path
 from .observe import Observer
 from .registry import Registry
@@ -150,6 +151,7 @@ class Coordinator:
         """``run``: what defines this run (strategy, model, data, seed); a state file that holds another run
         is refused. ``observer`` (coordinator/observe.py) sees the daemon's work as it happens. Raises
         :class:`coordinator.store.StateInUse` if another coordinator holds the state."""
+        one_blas_thread()  # ingest runs BLAS on the network thread: one thread each (coordinator/blas.py)
         self.cfg, self.strategy, self.evaluator = cfg, strategy, evaluator
         self.on_round = on_round
         self.observer = observer or Observer()
@@ -218,7 +220,7 @@ class Coordinator:
             else:
                 self.machine.restore_open(info, reports)
                 log.info("re-opened round %d (%s) with %d accepted reports", info["round"], info["task_id"],
-                         len(reports))
+                         len(reports) + len(info["accepted"]))
 
     def _vet(self, state: ServerState) -> dict[str, float]:
         """Test metrics of a candidate state, before it may commit (the round machine refuses a collapse)."""
@@ -318,8 +320,14 @@ class Coordinator:
                 actions = self.machine.next_plans(room)
             self._do(actions)
 
-    def _flush(self) -> None:
+    def _batch(self) -> list[tuple[str, dict]]:
+        """The records waiting, and the open round's partial sums if this batch accepted reports (durable sums:
+        they go in the same transaction as the reports' rows, before the acks)."""
         records, self._records = self._records, []
+        return records + [(a.what, a.data) for a in self.machine.checkpoint()] if records else records
+
+    def _flush(self) -> None:
+        records = self._batch()
         if records:
             with self._timed("persist"):
                 self.store.apply_batch(records)
@@ -355,8 +363,7 @@ class Coordinator:
     def stop(self) -> None:
         self.link.stop()
         if self._records:  # written, though their acks can no longer go out: the devices will resend
-            self.store.apply_batch(self._records)
-            self._records = []
+            self.store.apply_batch(self._batch())
         self.store.close()
         if self.inbox is not None:
             self.inbox.close()

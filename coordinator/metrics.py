@@ -186,7 +186,7 @@ class FleetMetrics(Observer):
             self.persisted_records[what] = self.persisted_records.get(what, 0) + 1
             if what == "report":
                 self.reports_accepted += 1
-                nbytes = len(data.get("payload") or b"")
+                nbytes = data["nbytes"] if "nbytes" in data else len(data.get("payload") or b"")
                 self.report_bytes += nbytes
                 sec = int(now)
                 i = sec % len(self._ring_t)

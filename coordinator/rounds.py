@@ -53,7 +53,8 @@ ADMISSION_KEY = "_admission"  # the machine's own entry in ServerState.meta (nor
 
 NO_ROUND, ROUND_OPEN, FINISHED = "no round", "round open", "finished"
 PHASES = (NO_ROUND, ROUND_OPEN, FINISHED)
-EVENTS = ("checkin", "report", "status", "tick", "open_round", "next_plans", "restore", "restore_open")
+EVENTS = ("checkin", "report", "status", "tick", "open_round", "next_plans", "checkpoint", "restore",
+          "restore_open")
 NETWORK = frozenset({"checkin", "report", "status"})  # a message that decoded, from the device on its topic
 # An open round closes when it is due: it commits once `clients_per_round` reports are accepted, or at the
 # deadline (or when every selected device is done) with at least `min_reports`; otherwise, or if the state it
@@ -90,10 +91,16 @@ TRANSITIONS: Table = {
     (ROUND_OPEN, "next_plans"): Move("_next_plans", (ROUND_OPEN,), "the next plans of the open round"),
     (FINISHED, "next_plans"): Move("_no_plans", (FINISHED,)),
 
+    (NO_ROUND, "checkpoint"): Move("_no_sums", (NO_ROUND,)),
+    (ROUND_OPEN, "checkpoint"): Move("_checkpoint", (ROUND_OPEN,), "the round's partial sums, if reports were "
+                                     "summed since the last checkpoint (durable sums)"),
+    (FINISHED, "checkpoint"): Move("_no_sums", (FINISHED,)),
+
     (NO_ROUND, "restore"): Move("_restore", (NO_ROUND,), "learn the closed task ids"),
     (FINISHED, "restore"): Move("_restore", (FINISHED,), "learn the closed task ids"),
 
-    (NO_ROUND, "restore_open"): Move("_restore_open", (ROUND_OPEN,), "re-open the round, re-admit its reports"),
+    (NO_ROUND, "restore_open"): Move("_restore_open", (ROUND_OPEN,), "re-open the round, with its partial sums "
+                                     "or by re-admitting its reports"),
 }
 
 
@@ -124,6 +131,11 @@ class RoundConfig:
     # `plan_window` messages, so a 1,000-device round neither stalls the loop nor holds every plan in memory.
     # 0: every plan at once.
     plan_window: int = field(default=64, metadata={"min": 0})
+    # Durable sums (production mode, a strategy that can snapshot its accumulator: FedAvg's weighted mean):
+    # an accepted report is made durable by the round's partial sums, written once per batch of reports
+    # (RoundMachine.checkpoint) with a small record per report, instead of by its payload. Ingest then writes
+    # megabytes per batch, not per report. False: every payload is written (and replayed after a restart).
+    durable_sums: bool = True
 
     def __post_init__(self) -> None:
         if not wire.ID_RE.match(self.fleet) or not all(c not in self.fleet for c in "+#/"):
@@ -142,7 +154,7 @@ class RoundConfig:
 @dataclass
 class Persist:
     """Write to durable state before carrying out any later action. ``what`` names the record."""
-    what: str  # device | device_offline | open | report | commit | abandon | rejection
+    what: str  # device | device_offline | open | report | sums | commit | abandon | rejection
     data: dict[str, Any]
 
 
@@ -231,6 +243,7 @@ class RoundMachine:
         self.dropped_messages = 0
         self.last_metrics: dict[str, float] = {}
         self._delivery = 0  # bytes of the report being handled (its first complete delivery)
+        self._unsaved: str | None = None  # the task whose sums changed since the last checkpoint
         # report size limits of the devices in the last few closed rounds: a straggler's late report must
         # still be read (to ack it 'late'), within what its old plan allowed
         self._recent_limits: list[dict[str, int]] = []
@@ -463,8 +476,11 @@ class RoundMachine:
         o.accepted.add(r.device_id)
         o.finished.add(r.device_id)
         o.norms[r.device_id] = norm
-        out: list[Action] = [Persist("report", {"task_id": r.task_id, "device_id": r.device_id,
-                                                "payload": raw, "n": r.n_samples})]
+        sums = self.sums_durable
+        if sums:
+            self._unsaved = o.task_id
+        out: list[Action] = [Persist("report", {"task_id": r.task_id, "device_id": r.device_id, "n": r.n_samples,
+                                                "norm": norm, "nbytes": len(raw), "payload": None if sums else raw})]
         out += self._ack(r, "accepted")
         return out + self._maybe_close(now)
 
@@ -478,6 +494,29 @@ class RoundMachine:
         """Open the next round over ``eligible`` now (``tick`` does this by itself when enough are eligible)."""
         return getattr(self, self._move("open_round").handler)(eligible, now)
 
+    @property
+    def sums_durable(self) -> bool:
+        """Accepted reports are made durable by the round's partial sums (RoundConfig.durable_sums), not their
+        payloads: production mode, and a strategy that can snapshot its accumulator (``can_snapshot``,
+        ``snapshot``, ``restore_snapshot``: FedAvg's mean)."""
+        can = getattr(self.strategy, "can_snapshot", None)
+        return self.cfg.durable_sums and not self.cfg.reproducible and can is not None and can()
+
+    def checkpoint(self) -> list[Action]:
+        """The open round's partial sums if reports were summed since the last call, as a record to write in
+        the same batch as those reports' records and before their acks. The daemon calls it before each write."""
+        return getattr(self, self._move("checkpoint").handler)()
+
+    def _checkpoint(self) -> list[Action]:
+        o, task, self._unsaved = self.open, self._unsaved, None
+        if task is None or o is None or o.task_id != task:
+            return []
+        return [Persist("sums", {"task_id": task, "blob": self.strategy.snapshot(o.acc)})]
+
+    def _no_sums(self) -> list[Action]:
+        self._unsaved = None
+        return []
+
     def restore(self, closed_tasks: list[str]) -> None:
         """Closed task ids from durable state, so a report for a round closed before a restart is 'late'."""
         getattr(self, self._move("restore").handler)(closed_tasks)
@@ -487,7 +526,9 @@ class RoundMachine:
 
         Plans are recomputed (they are a pure function of state and device), not re-sent: the devices
         already have them, and their reports are queued for us at the broker or will be resent. Reports are
-        admitted again by the same rules, which gives the same (clipped) values as before the crash.
+        admitted again by the same rules, which gives the same (clipped) values as before the crash. With
+        durable sums, ``info["sums"]`` is the accumulator's last snapshot and ``info["accepted"]`` the
+        (device, n, norm) of every report it holds.
         """
         getattr(self, self._move("restore_open").handler)(info, reports)
 
@@ -805,6 +846,15 @@ class RoundMachine:
         plans = self._plans(info["selected"])
         o = OpenRound(info["round"], info["attempt"], info["task_id"], list(info["selected"]), info["deadline"],
                       info["opened_at"], plans, self.strategy.begin(self.state))
+        summed = info.get("accepted") or []
+        if summed:
+            if info.get("sums") is None:  # the records and the sums are written in one transaction
+                raise ValueError(f"{info['task_id']}: {len(summed)} accepted reports without their sums")
+            o.acc = self.strategy.restore_snapshot(self.state, info["sums"], {d: plans[d] for d, _, _ in summed})
+            for d, _n, norm in summed:
+                o.accepted.add(d)
+                o.finished.add(d)
+                o.norms[d] = norm
         for payload in reports:
             r = wire.decode(payload, max_bytes=self.cfg.max_message_bytes, expect=("report",), finite_updates=False)
             try:

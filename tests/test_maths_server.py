@@ -17,6 +17,8 @@ Nothing from ``edge`` or ``coordinator`` computes any part of a reference.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -141,6 +143,43 @@ def test_fedavg_and_fedprox_step_to_the_sample_weighted_mean(cls):
         new, sent = _avg_round(plain, st, rng)
         for k, m in _mean(sent).items():
             close(new.weights[k], m, atol=1e-5)
+
+
+def test_fedavg_sums_many_reports_to_float64_precision_through_its_float32_buffer():
+    """The weighted sum over more reports than the float32 buffer holds (Accumulator.FOLD), reports on the
+    round's weights (buffered) mixed with reports on a copy of them (summed in float64 directly), against
+    sum_s n_s w_s written out in float64. The buffer sums updates, not weights, so its error sits far below
+    a float32 weight's resolution; a buffer of weights (or any float32 sum of them) misses by ~1e-6 here."""
+    from coordinator.strategies import fedavg as F
+    rng = np.random.default_rng(7)
+    s = FedAvg(spec=mlp([40, 30, 3]))
+    st = s.init(0)
+    dp = s.plan(st, "d", {})
+    other = dataclasses.replace(dp, weights={k: v.copy() for k, v in dp.weights.items()})  # not W: general path
+    acc = s.begin(st)
+    ref = {k: np.zeros(v.shape) for k, v in dp.weights.items()}
+    total = 0.0
+    count = 2 * F.FOLD + 7
+    for i in range(count):
+        n = int(rng.integers(1, 300))
+        plan = other if i % 5 == 0 else dp
+        ws = {k: (v + rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in plan.weights.items()}
+        s.accumulate(st, acc, plan, dense(f"d{i}", n, ws))
+        for k in ref:
+            ref[k] += n * ws[k].astype(np.float64)
+        total += n
+    assert acc.count == count and acc.total_n == total
+    for k, want in ref.items():
+        err = np.abs(acc.sums[k] / total - want / total).max()
+        assert err < 1e-9, (k, err)  # float32 weights resolve ~6e-8 here
+    f32 = {k: np.zeros(v.shape, np.float32) for k, v in ref.items()}
+    rng = np.random.default_rng(7)  # the same draws, summed as float32 weights: what the test would miss
+    for i in range(count):
+        n = int(rng.integers(1, 300))
+        plan = other if i % 5 == 0 else dp
+        for k, v in plan.weights.items():
+            f32[k] += np.float32(n) * (v + rng.normal(0, 0.01, v.shape)).astype(np.float32)
+    assert max(np.abs(f32[k] / total - ref[k] / total).max() for k in ref) > 1e-8
 
 
 def test_fedprox_sends_mu_and_names_its_objective():

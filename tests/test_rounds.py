@@ -293,17 +293,24 @@ def test_selection_is_seeded_and_without_replacement():
     assert a != select(ids, 13, seed=1, round_=4, attempt=2)
 
 
-def test_restart_from_store_keeps_accepted_reports(tmp_path):
-    """Crash after two accepted reports: a machine rebuilt from SQLite finishes the round with them."""
+@pytest.mark.parametrize("durable_sums", [True, False])
+def test_restart_from_store_keeps_accepted_reports(tmp_path, durable_sums):
+    """Crash after two accepted reports: a machine rebuilt from SQLite finishes the round with them, from the
+    round's partial sums (durable sums: no payload is written) or by replaying the payloads."""
     bus = make_bus(tmp_path, 4, rounds=2, per_round=4, over=1.0, timeout=100)
+    bus.m.cfg.durable_sums = durable_sums
     store = Store(tmp_path / "s.sqlite")
     store.save_initial_state(bus.m.state)
     bus.hold_training = {"d2", "d3"}
     bus.connect_all()
     bus.tick(0.1)
-    for p in bus.persisted:
-        store.apply(p.what, p.data)
+    store.apply_batch([(p.what, p.data) for p in bus.persisted] + [(a.what, a.data) for a in bus.m.checkpoint()])
+    assert bus.m.checkpoint() == []  # nothing summed since
     assert len(bus.m.open.accepted) == 2
+    reports = [p.data for p in bus.persisted if p.what == "report"]
+    assert len(reports) == 2 and all((r["payload"] is None) == durable_sums for r in reports)
+    logs = list(store.reports_dir.iterdir())
+    assert (sum(f.stat().st_size for f in logs) == 0) == durable_sums
     store.close()
 
     # "restart": a new machine from the store only
@@ -313,9 +320,13 @@ def test_restart_from_store_keeps_accepted_reports(tmp_path):
     for d in store.devices():
         m2.registry.checkin(d["device_id"], d["caps"], d["programs"], d["n"], bus.now)
     info, reps = store.open_round()
+    assert len(reps) == (0 if durable_sums else 2) and len(info["accepted"]) == (2 if durable_sums else 0)
     m2.restore_open(info, reps)
     assert m2.open.accepted == bus.m.open.accepted
-    np.testing.assert_array_equal(m2.open.acc.sums["fc0.weight"], bus.m.open.acc.sums["fc0.weight"])
+    assert m2.open.norms == pytest.approx(bus.m.open.norms)
+    for k in bus.m.open.acc.sums:
+        np.testing.assert_array_equal(m2.open.acc.sums[k], bus.m.open.acc.sums[k])
+    assert (m2.open.acc.total_n, m2.open.acc.count) == (bus.m.open.acc.total_n, bus.m.open.acc.count)
     # the held devices now report to the restarted machine
     bus.m = m2
     bus.hold_training = set()
@@ -393,6 +404,7 @@ MACHINE_FIRES = {
     "tick": [(2, None, lambda bus: bus.m.tick(bus.now + 0.1))],
     "open_round": [(2, None, lambda bus: bus.m.open_round(sorted(bus.m.registry.devices), bus.now))],
     "next_plans": [(2, None, lambda bus: bus.m.next_plans(1))],
+    "checkpoint": [(2, None, lambda bus: bus.m.checkpoint())],
     "restore": [(2, None, lambda bus: bus.m.restore(["r0a1"]))],
     "restore_open": [(2, None, lambda bus: bus.m.restore_open(_open_info(bus), []))],
 }

@@ -101,6 +101,31 @@ def received_weights(plan: DevicePlan, report: Report, name: str) -> np.ndarray:
     return w
 
 
+def plan_difference(plan: DevicePlan, report: Report, name: str) -> np.ndarray | None:
+    """w_s - w (float32) of a dense float32 tensor sent as weights, computed once per report: admission's norm
+    and FedAvg's sum both need it. The buffers live on the plan (a round's devices share one) and hold the
+    report most recently asked about; asking about another report recomputes them, so a report held for later
+    (reproducible mode) or clipped (a new object) is never read from another report's buffer. One thread
+    (the round machine's). None when the tensor is not that case."""
+    t, w = report.tensors[name], plan.weights[name]
+    if (t.mask is not None or t.sampled or plan.upload.get("delta") or plan.update == "gradient"
+            or t.values.dtype != np.float32 or w.dtype != np.float32 or t.values.shape != w.shape):
+        return None
+    memo = plan.__dict__.get("_differences")
+    if memo is None:
+        memo = {"report": None, "done": set(), "bufs": {}}
+        object.__setattr__(plan, "_differences", memo)
+    if memo["report"] is not report:
+        memo["report"], memo["done"] = report, set()
+    buf = memo["bufs"].get(name)
+    if buf is None:
+        buf = memo["bufs"][name] = np.empty(w.shape, np.float32)
+    if name not in memo["done"]:
+        np.subtract(t.values, w, out=buf)
+        memo["done"].add(name)
+    return buf
+
+
 def upload_spec(dtype: str, *, dtype_1d: str | None = None, delta: bool | None = None, sample: str | None = None,
                 keep: float = 1.0, p_min: float = 0.0) -> dict[str, Any]:
     """What a device sends back (edge.algorithms.driver.encode_update). Anything but float32 travels as

@@ -39,6 +39,11 @@ class RunningStats:
     def __getattr__(self, name: str) -> Any:  # name, spec, hparams, metrics, ...
         return getattr(self.inner, name)
 
+    def can_snapshot(self) -> bool:
+        """No durable sums: the inner strategy's snapshot would leave out the statistics summed here, so the
+        round keeps every report's payload."""
+        return False
+
     def subnet(self, state: ServerState) -> G.Subnet:
         """The round's slicing (from the strategy's ``alive/<layer>`` masks; everything when it prunes nothing)."""
         if self._sub is None or self._sub[0] is not state:

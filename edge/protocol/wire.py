@@ -26,6 +26,10 @@ MAX_STR = 256
 ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 DTYPES = {"f4": np.float32, "f2": np.float16, "f8": np.float64, "u1": np.uint8, "i4": np.int32, "i8": np.int64}
 _DTYPE_CODE = {np.dtype(v).str[1:]: k for k, v in DTYPES.items()}
+# Wire arrays are little-endian; on a little-endian host the native dtype is the same and no copy is made.
+_LE = {k: np.dtype(v).newbyteorder("<") for k, v in DTYPES.items()}
+_NATIVE = {k: _LE[k] == np.dtype(v) for k, v in DTYPES.items()}
+_ARRAY_FIELDS = frozenset({"d", "s", "b"})
 # Value formats of edge/protocol/codec.py that are not plain dtypes; they decode as float32.
 CODED_VALUES = ("bf16", "q8", "q8r")
 # Mask formats of edge/protocol/codec.py -> record field (index lists add "w", the width in bytes)
@@ -99,15 +103,19 @@ def _pack_any(a: "np.ndarray | Coded") -> dict:
     return a.record if isinstance(a, Coded) else pack_array(a)
 
 
+def _good_shape(shape: Any, min_ndim: int) -> bool:
+    """A list of at most MAX_NDIM ints (not bools) in [0, 2^31)."""
+    return (type(shape) is list and min_ndim <= len(shape) <= MAX_NDIM
+            and all(type(d) is int and 0 <= d < 2147483648 for d in shape))
+
+
 def unpack_array(obj: Any, what: str, *, finite: bool = True) -> np.ndarray:
-    if not isinstance(obj, dict) or set(obj) != {"d", "s", "b"}:
+    if type(obj) is not dict or obj.keys() != _ARRAY_FIELDS:
         raise WireError(f"{what}: not an array record")
     code, shape, buf = obj["d"], obj["s"], obj["b"]
     if not isinstance(code, str) or (code not in DTYPES and code not in CODED_VALUES):
         raise WireError(f"{what}: dtype {_short(code)} is not allowed")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape
-    ):
+    if not _good_shape(shape, 0):
         raise WireError(f"{what}: bad shape {_short(shape)}")
     if not isinstance(buf, bytes):
         raise WireError(f"{what}: array data is not bytes")
@@ -116,10 +124,12 @@ def unpack_array(obj: Any, what: str, *, finite: bool = True) -> np.ndarray:
             return _codec().decode_values(buf, code, tuple(shape))
         except WireError as e:
             raise WireError(f"{what}: {e}") from None
-    dt = np.dtype(DTYPES[code]).newbyteorder("<")
+    dt = _LE[code]
     if math.prod(shape) * dt.itemsize != len(buf):
         raise WireError(f"{what}: shape {shape} and {len(buf)} data bytes disagree")
-    a = np.frombuffer(buf, dtype=dt).reshape(shape).astype(DTYPES[code], copy=False)
+    a = np.frombuffer(buf, dtype=dt).reshape(shape)
+    if not _NATIVE[code]:
+        a = a.astype(DTYPES[code])
     if finite and a.dtype.kind == "f" and not np.isfinite(a).all():
         raise WireError(f"{what}: non-finite values")
     return a
@@ -370,23 +380,26 @@ def pack_update(t: TensorUpdate) -> dict:
     return rec
 
 
+_UPDATE_FIELDS = frozenset({"s", "x", "m", "i", "w", "g", "e", "h"})
+_MASK_FIELDS = frozenset({"m", "i", "g", "e"})
+
+
 def unpack_update(obj: Any, what: str, *, finite: bool = True) -> TensorUpdate:
     """``finite=False`` leaves the finiteness of the values to the caller (the coordinator's admission does
     it in the same pass as the update's norm)."""
     if not isinstance(obj, dict):
         raise WireError(f"{what}: not an update record")
-    _only(obj, {"s", "x", "m", "i", "w", "g", "e", "h"}, what)
+    if not obj.keys() <= _UPDATE_FIELDS:
+        _only(obj, _UPDATE_FIELDS, what)
     shape = obj.get("s")
-    if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_NDIM or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape
-    ):
+    if not _good_shape(shape, 1):
         raise WireError(f"{what}: bad shape {_short(shape)}")
     shape = tuple(shape)
     values = unpack_array(obj.get("x"), f"{what}.values", finite=finite)
     if values.dtype.kind != "f":
         raise WireError(f"{what}: values must be floating point")
     rows = shape[0]
-    if sum(f in obj for f in ("m", "i", "g", "e")) > 1:
+    if len(obj.keys() & _MASK_FIELDS) > 1:
         raise WireError(f"{what}: more than one mask")
     h = obj.get("h")
     k_active = None
