@@ -20,6 +20,7 @@ from edge.runtime.program import torch_program
 from edge.runtime.state import LocalState
 from edge.trainers.torch_backend import TorchTrainer
 from edge.protocol.wire import Plan
+from edge.protocol.capabilities import EXTENSIONS
 
 from .selection import device_seed, n_to_select, select_ordered
 from .strategies.base import ServerState, Strategy
@@ -74,7 +75,8 @@ class Loop:
         down = up = 0
         for i in [*chosen, *train_only]:
             d = self.ids[i]
-            dp = self.strategy.plan(self.state, d, self.caps.get(d, {}))
+            # its devices run this package's driver: they implement the protocol extensions (as a Device declares)
+            dp = self.strategy.plan(self.state, d, {**EXTENSIONS, **self.caps.get(d, {})})
             prog = torch_program(dp.spec, dp.objective, dp.layout)
             # the program travels in the plan when the device lacks it, as the round machine sends it
             plan = Plan(f"r{rnd}", rnd, d, 1e18, self.strategy.name, "torch", prog.hash,

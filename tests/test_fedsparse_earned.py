@@ -14,6 +14,7 @@ from edge.algorithms.fedsparse import gate_inputs
 from edge.model import mlp
 from edge.protocol import downlink, wire
 from edge.protocol.wire import Report, TensorUpdate
+from edge.protocol.capabilities import EXTENSIONS as EXT
 
 SPEC = mlp([6, 5, 4, 3])
 
@@ -110,7 +111,7 @@ def test_a_coded_downlink_gives_the_device_the_servers_theta(preset):
     st = fs.init(2)
     rng = np.random.default_rng(4)
     for rnd in range(2):  # the second plan is a difference from the confirmed first
-        dp = fs.plan(st, "d0", {})
+        dp = fs.plan(st, "d0", EXT)  # a device that implements the coded downlink
         assert bool(dp.base) == (rnd == 1)
         plan = wire.decode(wire.encode(wire.Plan("r", 1, "d0", 1e18, "fedsparse", "torch", "0" * 64, dp.wire,
                                                  dp.hparams, 1, dp.upload, tag=dp.tag, base=dp.base)))

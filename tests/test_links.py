@@ -22,6 +22,7 @@ from edge.model import mlp
 from edge.protocol import downlink, wire
 from edge.protocol.wire import Plan, Report, TensorUpdate
 from edge.runtime.state import LocalState
+from edge.protocol.capabilities import EXTENSIONS as EXT, BadCapabilities, parse_capabilities
 
 SPEC = mlp([6, 5, 4, 3])
 
@@ -181,7 +182,7 @@ def test_fedavg_aggregates_sampled_reports_as_the_reference_does():
     ref = {k: np.zeros(v.shape) for k, v in st.weights.items()}
     total = 0.0
     for d, nsamp in (("d0", 5), ("d1", 11), ("d2", 3)):
-        dp = s.plan(st, d, {})
+        dp = s.plan(st, d, EXT)
         new = {k: (v + rng.standard_normal(v.shape) * 0.1).astype(np.float32) for k, v in dp.weights.items()}
         rep = wire.decode(wire.encode(Report("r1", d, nsamp, {}, encode_update(new, _plan(dp.weights, dp.upload,
                                                                                            rng.integers(1 << 30)), {}))))
@@ -318,7 +319,7 @@ def test_plan_bytes_fall_with_the_downlink_formats():
     s0, s1 = FedAvg(spec=mlp([64, 50, 10])), FedAvg(spec=mlp([64, 50, 10]), down_dtype="q8r", down_dtype_1d="f4")
     b = []
     for s in (s0, s1):
-        dp = s.plan(s.init(0), "d0", {})
+        dp = s.plan(s.init(0), "d0", EXT)
         b.append(len(wire.encode(_plan(dp.weights if dp.wire is None else dp.wire, {}, tag=dp.tag, base=dp.base))))
     assert b[1] < 0.3 * b[0]
 
@@ -329,12 +330,12 @@ def test_plan_bytes_fall_with_the_downlink_formats():
 def test_a_devices_link_sets_its_upload_budget():
     s = FedAvg(spec=mlp([64, 50, 10]), upload_dtype="q8r", upload_dtype_1d="f4", upload_s=1.0)
     st = s.init(0)
-    full = s.plan(st, "d0", {})
+    full = s.plan(st, "d0", EXT)
     assert "sample" not in full.upload
     dense = dense_report_bytes(full)
-    slow = s.plan(st, "d1", {"link_kbps": 8 * dense / 1000 / 4})  # a quarter of a dense report per second
+    slow = s.plan(st, "d1", EXT | {"link_kbps": 8 * dense / 1000 / 4})  # a quarter of a dense report per second
     assert slow.upload["sample"] == "norm" and slow.upload["keep"] == pytest.approx(1 / 4)
-    fast = upload_for(full, {"link_kbps": 1e6}, 1.0)
+    fast = upload_for(full, EXT | {"link_kbps": 1e6}, 1.0)
     assert fast is full
     rng = np.random.default_rng(9)
     new = {k: v + np.float32(0.1) * rng.standard_normal(v.shape).astype(np.float32) for k, v in full.weights.items()}
@@ -359,3 +360,24 @@ def test_random_control_follows_a_schedule_of_unit_counts():
             dead = ~st.opt[f"alive/fc{i}"].astype(bool)
             assert not st.weights[f"fc{i}.weight"][dead].any() and not st.weights[f"fc{i + 1}.weight"][:, dead].any()
     assert s.plan(st, "d0", {}).weights["fc0.weight"].shape == (1, 6)
+
+
+def test_only_a_device_that_declares_the_extensions_gets_them():
+    """Coded and differenced plans (tag, base) and sampled uploads are protocol extensions (docs/protocol.md
+    6.1): a device whose check-in does not declare ``coded_downlink`` / ``sampled_upload`` (a v1 device that
+    does not implement them) gets float32 weights and is asked for every row, in the plan's value format."""
+    s = FedAvg(spec=mlp([64, 50, 10]), upload_dtype="q8r", upload_dtype_1d="f4", upload_sample="norm",
+               upload_keep=0.5, upload_p_min=0.1, down_dtype="q8r", down_deltas=True)
+    st = s.init(0)
+    plain = s.plan(st, "old", {"runtime": "torch"})
+    assert plain.wire is None and not plain.tag and not plain.base
+    assert "sample" not in plain.upload and plain.upload["dtype"] == "q8r"
+    assert "old" not in s._down.held
+    full = s.plan(st, "new", EXT)
+    assert full.wire is not None and full.tag and full.upload["sample"] == "norm"
+    only_up = s.plan(st, "up", {"sampled_upload": True})
+    assert only_up.wire is None and only_up.upload["sample"] == "norm"
+    only_down = s.plan(st, "down", {"coded_downlink": True, "sampled_upload": False})
+    assert only_down.wire is not None and "sample" not in only_down.upload
+    with pytest.raises(BadCapabilities, match="sampled_upload"):
+        parse_capabilities({"sampled_upload": "yes"})

@@ -166,7 +166,7 @@ class FedAvg(LinkOptions):  # the link options (-S upload_*, down_*) come from L
 
     def plan(self, state: ServerState, device_id: str, caps: dict[str, Any]) -> DevicePlan:
         """The round's plan, with this device's upload budget and downlink (links.py)."""
-        return self._down.plan(upload_for(self._round(state)[0], caps, self.upload_s), device_id)
+        return self._down.plan(upload_for(self._round(state)[0], caps, self.upload_s), device_id, caps=caps)
 
     def begin(self, state: ServerState) -> Accumulator:
         return Accumulator({k: np.zeros(v.shape, np.float64) for k, v in state.weights.items()})

@@ -150,7 +150,8 @@ class FedSparse(LinkOptions):  # the link options (-S upload_*, down_*) come fro
     def plan(self, state: ServerState, device_id: str, caps: dict[str, Any]) -> DevicePlan:
         """The round's sliced network, with this device's upload budget and downlink (links.py)."""
         dp = upload_for(self._round_plan(state)[0], caps, self.upload_s)
-        return self._down.plan(dp, device_id, fix=lambda model: self._device_thresholds(dp.spec, dp.weights, model))
+        return self._down.plan(dp, device_id, fix=lambda model: self._device_thresholds(dp.spec, dp.weights, model),
+                               caps=caps)
 
     def _device_thresholds(self, spec: dict[str, Any], sent: dict[str, np.ndarray],
                            model: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

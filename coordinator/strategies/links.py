@@ -7,6 +7,10 @@
   The records live in memory: after a restart every device gets absolute weights once.
 - :func:`upload_for`: the upload spec for one device, its sampling budget taken from the link the device
   reports (capability ``link_kbps``) when the strategy gives an upload time.
+
+Both are protocol extensions (docs/protocol.md 6.1 and 5): a device gets them only if its check-in declares
+them (capabilities ``coded_downlink`` and ``sampled_upload``); any other device gets float32 weights without
+tag or base, and a dense upload in the plan's value format, which every v1 device implements.
 """
 from __future__ import annotations
 
@@ -57,11 +61,16 @@ class Downlink:
                 for k, w in weights.items()}
 
     def plan(self, dp: DevicePlan, device_id: str,
-             fix: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> DevicePlan:
+             fix: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+             caps: dict[str, Any] | None = None) -> DevicePlan:
         """``dp`` (the round's shared plan) for ``device_id``: its wire weights, tag and base. ``fix`` maps the
         model the device will hold to replacements for some of its float32 (``exact``) tensors, computed from
-        what the device will actually see (FedSparse: thresholds that give the device the server's theta)."""
+        what the device will actually see (FedSparse: thresholds that give the device the server's theta).
+        A device whose capabilities (``caps``) do not declare ``coded_downlink`` gets ``dp`` as it is."""
         if not self.active:
+            return dp
+        if caps is not None and caps.get("coded_downlink") is not True:
+            self.held.pop(device_id, None)  # it holds no model we made
             return dp
         rec = self.held.get(device_id)
         base = rec if (self.deltas and rec is not None and rec.confirmed) else None
@@ -111,7 +120,12 @@ def dense_report_bytes(dp: DevicePlan) -> int:
 def upload_for(dp: DevicePlan, caps: dict[str, Any], upload_s: float | None) -> DevicePlan:
     """``dp`` with its sampling budget cut to what the device's link carries in ``upload_s`` seconds (capability
     ``link_kbps``), counted in the update's bytes (values, probability codes, masks); unchanged without either.
-    A plan that did not sample yet samples by norm."""
+    A plan that did not sample yet samples by norm. A device that does not declare ``sampled_upload`` is asked
+    for every row."""
+    if caps.get("sampled_upload") is not True:  # a device without the extension sends every row
+        if "sample" not in dp.upload:
+            return dp
+        return replace(dp, upload={k: v for k, v in dp.upload.items() if k not in ("sample", "keep", "p_min")})
     kbps = caps.get("link_kbps")
     if not upload_s or not isinstance(kbps, (int, float)) or isinstance(kbps, bool) or kbps <= 0:
         return dp

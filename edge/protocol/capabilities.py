@@ -25,7 +25,15 @@ _CAPS: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "battery": ((int, float), lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
     "memory_mb": ((int,), lambda v: 0 <= v < 2**40, "a whole number of MB >= 0"),
     "link_kbps": ((int, float), lambda v: 0 <= v < 1e9, "a number >= 0"),
+    # protocol extensions the device implements (docs/protocol.md 6.1): without them it gets float32 plans
+    # without tag/base, and dense uploads
+    "sampled_upload": ((bool,), None, "true or false"),
+    "coded_downlink": ((bool,), None, "true or false"),
 }
+
+# What this package's device (edge/algorithms/driver.py, edge/protocol/downlink.py) implements: a Device
+# declares it in every check-in.
+EXTENSIONS: dict[str, bool] = {"sampled_upload": True, "coded_downlink": True}
 
 
 def parse_capabilities(caps: dict[str, Any]) -> dict[str, Any]:

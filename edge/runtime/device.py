@@ -1,6 +1,8 @@
 """A device process: the agent core wired to MQTT, a program cache and a trainer on a worker thread."""
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -9,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..protocol.capabilities import EXTENSIONS
 from ..protocol.agent import AgentConfig, DeviceAgent, Publish, StartTraining, StoreProgram
 from ..algorithms.driver import run_plan
 from .data import load_npz
@@ -27,6 +30,8 @@ class Device:
     def __init__(self, cfg: AgentConfig, x: np.ndarray, y: np.ndarray, state_dir: str | Path,
                  broker: BrokerAddress, *, executor: Executor | None = None, trainer_kw: dict | None = None):
         self.x, self.y = x, y
+        # the protocol extensions this device's driver implements (capabilities.EXTENSIONS), unless set
+        cfg = dataclasses.replace(cfg, capabilities={**EXTENSIONS, **cfg.capabilities})
         self.cache = ProgramCache(Path(state_dir) / "programs")
         self.local = LocalState(Path(state_dir) / "local")
         self.agent = DeviceAgent(cfg, n_samples=len(x), programs=self.cache.hashes())
