@@ -286,6 +286,12 @@ def cmd_credentials(a: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(*_) -> None:
+    """SIGTERM (kill, systemd, a CI timeout) as Ctrl-C: the run's finally blocks stop the device processes and
+    the private broker instead of leaving them behind."""
+    raise KeyboardInterrupt
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from .config import strategy_options
     from .datasets import from_dir, parse_partition
@@ -332,7 +338,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     spec = model_spec(cfg, data)
     check_model_for(a.strategy, spec, runtimes)
     cfg = dataclasses.replace(cfg, spec=spec)
-    rep = simulate(cfg, out=a.out, plot=a.plot, progress=not a.no_progress)
+    signal.signal(signal.SIGTERM, _interrupt)  # unwind like Ctrl-C: simulate's cleanup stops what it started
+    try:
+        rep = simulate(cfg, out=a.out, plot=a.plot, progress=not a.no_progress)
+    except KeyboardInterrupt:
+        print("fedge simulate: interrupted; devices, workers and the private broker were stopped", file=sys.stderr)
+        return 130
     rep.pop("_state", None)
     dens = any("density" in r for r in rep["rounds"])
     print(f"{'round':>5} {'accuracy':>8} {'MB down':>8} {'MB up':>8} {'reports':>7} {'dropped':>7} {'s':>6}"

@@ -236,9 +236,6 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
         preflight(cfg, programs)
     broker = None
     url = cfg.broker
-    if not url.startswith("mqtt://"):
-        broker = start_broker(url)
-        url = broker.url
     t0 = time.time()
     bar = None
     if progress:
@@ -257,6 +254,9 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
     devices = coord = None
     workers: list = []
     try:
+        if not url.startswith("mqtt://"):
+            broker = start_broker(url)
+            url = broker.url
         coord = build_coordinator(cfg, url, (data.x_test, data.y_test), on_round, programs=programs).start()
         if not coord.link.connected.wait(30):
             raise TimeoutError(f"coordinator could not connect to {url}")
