@@ -49,6 +49,7 @@ log = logging.getLogger("fedge.coordinator")
 
 CHECKIN_MAX_BYTES = 256 * 1024  # a check-in or status is a few hundred bytes; nothing from a device is unbounded
 REPORT_OVERHEAD_BYTES = 64 * 1024  # metrics, names and msgpack framing on top of the arrays a plan allows
+NORM_WINDOW = 32  # update norms behind the norm bound's median, across the last rounds when they are small
 ADMISSION_KEY = "_admission"  # the machine's own entry in ServerState.meta (norm history, last accuracy)
 
 NO_ROUND, ROUND_OPEN, FINISHED = "no round", "round open", "finished"
@@ -797,10 +798,15 @@ class RoundMachine:
         if why:
             return self._abandon(now, f"commit refused: {why}")
         self._close(now)
-        norms = sorted(o.norms.values())
         hist = dict(self.history)
-        if norms:
-            hist["median_norm"] = float(np.median(norms))
+        if o.norms:
+            # the norm bound's reference: the median of this round's update norms, topped up with the last
+            # rounds' to NORM_WINDOW of them: the median of a small round's two or three reports is noise,
+            # and one honest device with much more data than the others could sit above ten times it
+            mine = [o.norms[d] for d in sorted(o.norms)]
+            pool = mine if len(mine) >= NORM_WINDOW else (list(hist.get("recent_norms", [])) + mine)[-NORM_WINDOW:]
+            hist["median_norm"] = float(np.median(pool))
+            hist["recent_norms"] = [float(x) for x in pool[-NORM_WINDOW:]]
         if "accuracy" in metrics:
             hist["accuracy"] = float(metrics["accuracy"])
         new.meta = dict(new.meta) | {ADMISSION_KEY: hist}

@@ -367,3 +367,22 @@ def test_a_sign_flipped_update_passes_admission_so_only_the_aggregation_can_resi
     send(bus, "report", "d0", payload)
     assert "d0" in bus.m.open.accepted  # well-formed, and 5x an honest norm is inside the 10x bound
     assert bus.m.open.norms["d0"] == pytest.approx(5 * update_norm(plan, honest), rel=1e-4)
+
+
+def test_the_norm_bounds_median_pools_small_rounds(tmp_path):
+    """Rounds of two reports: the bound's reference is the median of the last rounds' norms pooled (up to
+    NORM_WINDOW), not of two reports, where one honest device with much more data would be 'ten times the
+    median' of a round with a small one."""
+    import coordinator.rounds as R
+    bus = make_bus(tmp_path, 4, rounds=3, per_round=2, over=1.0)
+    bus.connect_all()
+    for _ in range(3):
+        bus.tick(0.1)
+    assert bus.m.state.round == 3
+    reports = [p.data for p in bus.persisted if p.what == "report"]  # each carries its norm (durable sums)
+    seen = [r["norm"] for task in dict.fromkeys(r["task_id"] for r in reports)
+            for r in sorted((r for r in reports if r["task_id"] == task), key=lambda r: r["device_id"])]
+    h = bus.m.history
+    assert len(seen) == 6 and h["recent_norms"] == pytest.approx(seen)
+    assert h["median_norm"] == pytest.approx(float(np.median(seen)))
+    assert R.NORM_WINDOW >= 16
