@@ -130,7 +130,7 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, poll: float 
 
 def honest_device(spec: dict, url: str, executor: Any) -> Any:
     """One device agent from a ``coordinator.simulate.prepare`` spec, training with one torch thread."""
-    from edge.device import device_from_files
+    from edge.runtime.device import device_from_files
     return device_from_files(spec["id"], spec["data"], spec["state"], url, capabilities=spec["caps"],
                              fleet=spec["fleet"], chunk_bytes=spec["chunk_bytes"], executor=executor,
                              trainer_kw={"threads": 1})
@@ -143,7 +143,7 @@ class SpyFleet:
     def __init__(self, specs: list[dict], url: str, *, threads: int = 2,
                  make: Callable[[dict, str, Any], Any] = honest_device):
         """``make(spec, url, executor)`` builds one device (not started): a scenario's hostile or slowed ones."""
-        from edge import wire
+        from edge.protocol import wire
         self.pool = ThreadPoolExecutor(threads)
         self.acks: list[tuple[float, Any]] = []
         self.devs: dict[str, Any] = {}

@@ -101,7 +101,7 @@ def _iid_specs(n: int, work: Path, fleet: str, seed: int) -> tuple[list[dict], t
     """An even split of digits over ``n`` devices (a Dirichlet split of 1,438 images cannot give 200 devices
     five images each), written as ``prepare`` writes its shards."""
     from coordinator.datasets import load_digits_xy
-    from edge.data import save_npz
+    from edge.runtime.data import save_npz
     x, y = load_digits_xy()
     perm = np.random.default_rng(seed).permutation(len(y))
     n_test = len(y) // 5
@@ -123,7 +123,7 @@ def setup_run(work: Path, url: str, *, fleet: str, devices: int, rounds: dict[st
               chunk_bytes: int = 256 * 1024, iid: bool = False) -> RunFiles:
     """A fresh directory with the devices' shards, the held-out test split and a ``fleet.toml``."""
     from coordinator.simulate import SimConfig, prepare
-    from edge.data import save_npz
+    from edge.runtime.data import save_npz
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     strategy = {"name": "fedavg", "sizes": TINY, "lr": 0.1} | (strategy or {})
@@ -294,7 +294,7 @@ class Fuzzer:
     def __init__(self, fleet: str, sizes: list[int], task: str, seed: int, n_ids: int = 32):
         from coordinator import faults
         from edge.model import init_weights, mlp
-        from edge.wire import CheckIn, Chunk, Plan, Report, Status, TensorUpdate
+        from edge.protocol.wire import CheckIn, Chunk, Plan, Report, Status, TensorUpdate
         self.fleet, self.faults = fleet, faults
         self.rng = np.random.default_rng(seed)
         self.ids = [f"fz{i:02d}" for i in range(n_ids)]
@@ -331,7 +331,7 @@ class Fuzzer:
         return self._topic(kind, dev), self.faults.mutate(data, self.templates[kind], dev)
 
     def _topic(self, kind: str, dev: str) -> str:
-        from edge import wire
+        from edge.protocol import wire
         return wire.topic(self.fleet, kind, dev)
 
 
@@ -359,7 +359,7 @@ class _Marks:
         self.cv = threading.Condition()
 
     def on_message(self, client, userdata, msg) -> None:
-        from edge import wire
+        from edge.protocol import wire
         try:
             ack = wire.decode(bytes(msg.payload))
         except wire.WireError:
@@ -380,8 +380,8 @@ def fuzz(ctx: Ctx) -> dict[str, Any]:
     memory flat, and finish every round."""
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
-    from edge import wire
-    from edge.wire import Report
+    from edge.protocol import wire
+    from edge.protocol.wire import Report
     n_msgs = 10_000 if ctx.quick else 100_000
     rounds = 8 if ctx.quick else 25
     every, window = 250, 2000
@@ -679,7 +679,7 @@ def cut_mid_upload(ctx: Ctx) -> dict[str, Any]:
     """A device's socket dropped after 10 of ~50 chunks of its report: the coordinator must free the partial
     transfer at once (the broker's last will says the device is gone) and commit through over-selection."""
     from coordinator.simulate import SimConfig, build_coordinator, prepare
-    from edge import wire
+    from edge.protocol import wire
     victim, after = "d0000", 10
     with Mosquitto() as b:
         # 6 devices, 6 selected (4 x 1.5): the victim is always in round 1
@@ -794,9 +794,9 @@ def _poison_run(ctx: Ctx, url: str, name: str, aggregate: str, attacks: list[str
                 rounds: int) -> dict[str, Any]:
     """8 devices (7 without the hostile one), every one selected every round; quarantine off."""
     from coordinator.faults import HostileDevice
-    from edge.agent import AgentConfig
-    from edge.data import load_npz
-    from edge.mqtt import BrokerAddress
+    from edge.protocol.agent import AgentConfig
+    from edge.runtime.data import load_npz
+    from edge.runtime.mqtt import BrokerAddress
     hostile_id, n = "d0007", 8
     strategy = {"sizes": SMALL, "lr": 0.1, "epochs": 2, "aggregate": aggregate}
     if aggregate == "trimmed_mean":

@@ -85,7 +85,7 @@ def measure_training(cfg, shards: list[tuple[np.ndarray, np.ndarray]], repeats: 
     from coordinator.selection import device_seed
     from coordinator.strategies import make_strategy
     from edge.protocol import wire
-    from edge.client import run_plan
+    from edge.algorithms.driver import run_plan
     from edge.model import mlp
     from edge.runtime.program import torch_program
     from edge.trainers import make_trainer
@@ -131,14 +131,13 @@ import numpy as np
 import edge.runtime.device  # what a device process has loaded before its first plan (torch is imported lazily)
 from edge.model import init_weights, mlp
 from edge.runtime.program import torch_program
-from edge.training import local_train
 t0 = time.perf_counter()
 from edge.trainers import make_trainer
 spec = mlp([64, 200, 200, 10])
 t = make_trainer("torch", threads=1)
 t.load(torch_program(spec).data)
 t.set_weights(init_weights(spec, 0))
-local_train(t, np.zeros((20, 64), np.float32), np.zeros(20, np.int64), epochs=1, batch_size=20, lr=0.05, seed=0)
+t.step(np.zeros((20, 64), np.float32), np.zeros(20, np.int64), 0.05)  # one local step
 print(json.dumps(time.perf_counter() - t0))
 """
 
