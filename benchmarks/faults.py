@@ -573,6 +573,9 @@ def _sigkill_run(ctx: Ctx, url: str, name: str, rounds: int, kills: int) -> dict
             **_reports_lost(fleet.accepted(), fin)}
 
 
+CLOSE = 1e-5  # final weights of the killed run against the uninterrupted one (float32 summation order)
+
+
 def sigkill(ctx: Ctx) -> dict[str, Any]:
     """SIGKILL the coordinator at random points of one run; nothing accepted may be lost, and the run must end
     with the model of an uninterrupted run of the same seed."""
@@ -590,14 +593,19 @@ def sigkill(ctx: Ctx) -> dict[str, Any]:
     n_diff = int(sum(int((wa[k] != wb[k]).sum()) for k in wa)) if same_keys else None
     return {"sigkills": len(got["kills"]), "sigkills_survived": sum(bool(e.get("resumed")) for e in got["kills"]),
             "reports_lost": got["reports_lost"], "final_weights_equal": equal, "max_abs_diff": diff,
+            "final_weights_close": diff is not None and diff <= CLOSE,
             "weights_differing": n_diff, "weights_total": int(sum(v.size for v in wa.values())) if wa else 0,
             "crashes": got["crashes"] + ref["crashes"], "killed": got, "uninterrupted": ref,
             "note": "6 devices, all needed every round (over_selection 1.0, min_reports 6). Each kill 0-1 s (seeded) "
                     "after the coordinator's first commit since its last start; a restart survived if it committed "
                     "a round within 120 s (resume_s: from the restart to that commit, which includes importing "
                     "torch for the first evaluation). reports_lost: accepted acks whose task committed without "
-                    "that device (accepted_in_abandoned_tasks: a retried round, not a loss). Bitwise equality "
-                    "needs aggregation that does not depend on the order reports arrive in (issue 15)."}
+                    "that device (accepted_in_abandoned_tasks: a retried round, not a loss). The coordinator "
+                    "runs in production mode, where FedAvg sums updates in a float32 buffer (folded into float64 "
+                    "every 32 reports), so the aggregate depends on the order reports arrive in at float32 "
+                    "rounding: final_weights_close (max |diff| <= 1e-5) is the check; a lost or doubled report "
+                    "moves weights by a tenth of an update. Reproducible mode sums in a seeded order and is bit "
+                    "for bit (tests/test_reproducible.py)."}
 
 
 # ------------------------------------------------------------------ 3. broker restart
@@ -975,7 +983,7 @@ def summary_text(res: dict[str, Any]) -> str:
                      f"{k['rounds']} rounds, "
                      f"exit {k['exit_code']}, {k['accepted_acks']} accepted acks, {s['reports_lost']} lost, "
                      f"{k['accepted_in_abandoned_tasks']} in abandoned attempts ({k['abandoned_attempts']}); final "
-                     f"weights equal to the uninterrupted run: {s['final_weights_equal']} (max |diff| "
+                     f"weights within {CLOSE:g} of the uninterrupted run: {s.get('final_weights_close')} (max |diff| "
                      f"{f(s['max_abs_diff'], '{:.3g}')}, {s['weights_differing']}/{s['weights_total']} differ; "
                      f"accuracy {f(k['final_accuracy'])} vs {f(r['final_accuracy'])})")
     s = res.get("broker_restart")
