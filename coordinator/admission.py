@@ -54,18 +54,34 @@ class AdmissionRules:
         if isinstance(self.norm_bound, (int, float)) and not self.norm_bound > 0:
             raise ValueError(f"norm_bound must be positive, not {self.norm_bound}")
 
-    def bound(self, history: dict[str, Any], plan: DevicePlan) -> float | None:
-        """The norm bound for a report of ``plan``, given the last committed round's norms (``history``)."""
+    def bound(self, history: dict[str, Any], plan: DevicePlan, n: int = 0) -> float | None:
+        """The norm bound for a report of ``plan`` from a device with ``n`` samples, given the last rounds' norms
+        (``history``): ``norm_factor`` times their median per local step, times this device's local steps. An
+        update grows with the steps taken, so a device with ten times the data of the median one takes ten
+        times the steps and may move ten times as far; a bound on the norm alone rejected such honest devices
+        (and quarantined them) in non-IID fleets."""
         if self.norm_bound is None:
             return None
         if self.norm_bound != "auto":
             return float(self.norm_bound)
-        med = history.get("median_norm")
+        per_step = history.get("median_norm_per_step")
+        if per_step:
+            return self.norm_factor * float(per_step) * local_steps(plan, n)
+        med = history.get("median_norm")  # a state written before the per-step history
         if med:
             return self.norm_factor * float(med)
         if plan.update == "gradient":
             return None
         return self.norm_factor * plan_norm(plan)
+
+
+def local_steps(plan: DevicePlan, n: int) -> int:
+    """The optimiser steps a device with ``n`` samples takes on ``plan``: epochs x ceil(n / batch_size), as the
+    driver batches (edge/algorithms/driver.py); 1 for a plan without both (a gradient, a closed-form step)."""
+    e, b = plan.hparams.get("epochs"), plan.hparams.get("batch_size")
+    if not isinstance(e, int) or not isinstance(b, int) or b <= 0 or e <= 0 or n <= 0:
+        return 1
+    return e * -(-n // b)
 
 
 def plan_norm(plan: DevicePlan) -> float:
@@ -208,7 +224,7 @@ def admit(plan: DevicePlan, report: Report, rules: AdmissionRules, history: dict
     """The report to aggregate (clipped if the rules say so) and its update norm, or ReportRejected."""
     check_structure(plan, report, rules)
     norm = update_norm(plan, report, rules.max_abs_value)
-    bound = rules.bound(history, plan)
+    bound = rules.bound(history, plan, report.n_samples)
     if bound is not None and norm > bound:
         if not rules.clip:
             raise ReportRejected(f"update norm {norm:.4g} is above the bound {bound:.4g}")

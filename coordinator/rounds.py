@@ -38,7 +38,7 @@ from edge.protocol.machine import IllegalEvent, Move, Publish, Table, lookup  # 
 from edge.runtime.program import Program
 from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, Report, Status, WireError
 
-from .admission import AdmissionRules, admit
+from .admission import AdmissionRules, admit, local_steps
 from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry
@@ -495,6 +495,10 @@ class RoundMachine:
         """Open the next round over ``eligible`` now (``tick`` does this by itself when enough are eligible)."""
         return getattr(self, self._move("open_round").handler)(eligible, now)
 
+    def _samples(self, device_id: str) -> int:
+        rec = self.registry.devices.get(device_id)
+        return rec.n_samples if rec is not None else 0
+
     @property
     def sums_durable(self) -> bool:
         """Accepted reports are made durable by the round's partial sums (RoundConfig.durable_sums), not their
@@ -801,12 +805,13 @@ class RoundMachine:
         hist = dict(self.history)
         if o.norms:
             # the norm bound's reference: the median of this round's update norms, topped up with the last
-            # rounds' to NORM_WINDOW of them: the median of a small round's two or three reports is noise,
-            # and one honest device with much more data than the others could sit above ten times it
-            mine = [o.norms[d] for d in sorted(o.norms)]
+            # rounds' to NORM_WINDOW of them: the median of a small round's two or three reports is noise
+            # per local step (admission.AdmissionRules.bound)
+            mine = [o.norms[d] / local_steps(o.plans[d], self._samples(d)) for d in sorted(o.norms)]
             pool = mine if len(mine) >= NORM_WINDOW else (list(hist.get("recent_norms", [])) + mine)[-NORM_WINDOW:]
-            hist["median_norm"] = float(np.median(pool))
+            hist["median_norm_per_step"] = float(np.median(pool))
             hist["recent_norms"] = [float(x) for x in pool[-NORM_WINDOW:]]
+            hist.pop("median_norm", None)
         if "accuracy" in metrics:
             hist["accuracy"] = float(metrics["accuracy"])
         new.meta = dict(new.meta) | {ADMISSION_KEY: hist}

@@ -3,6 +3,7 @@ bookkeeping that must hold across restarts. Each message must be dropped with a 
 against its device, and the coordinator must go on and commit only finite, sane state."""
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import msgpack
@@ -380,9 +381,27 @@ def test_the_norm_bounds_median_pools_small_rounds(tmp_path):
         bus.tick(0.1)
     assert bus.m.state.round == 3
     reports = [p.data for p in bus.persisted if p.what == "report"]  # each carries its norm (durable sums)
-    seen = [r["norm"] for task in dict.fromkeys(r["task_id"] for r in reports)
+    s = bus.m.strategy
+    steps = lambda n: s.epochs * math.ceil(n / s.batch_size)  # noqa: E731 (the driver's batches, written out)
+    seen = [r["norm"] / steps(r["n"]) for task in dict.fromkeys(r["task_id"] for r in reports)
             for r in sorted((r for r in reports if r["task_id"] == task), key=lambda r: r["device_id"])]
     h = bus.m.history
     assert len(seen) == 6 and h["recent_norms"] == pytest.approx(seen)
-    assert h["median_norm"] == pytest.approx(float(np.median(seen)))
+    assert h["median_norm_per_step"] == pytest.approx(float(np.median(seen)))
     assert R.NORM_WINDOW >= 16
+
+
+def test_the_norm_bound_grows_with_a_devices_local_steps():
+    """An update grows with the steps taken: the bound is norm_factor x the median norm per step x this
+    device's steps, so a device with ten times the data (ten times the steps) may move ten times as far, and
+    one beyond its own bound is still refused."""
+    from coordinator.admission import AdmissionRules, local_steps
+    from coordinator.strategies.base import DevicePlan
+    plan = DevicePlan({"w": np.zeros((2, 2), np.float32)}, {"epochs": 2, "batch_size": 10}, {}, {})
+    assert [local_steps(plan, n) for n in (1, 10, 11, 95)] == [2, 2, 4, 20]
+    rules = AdmissionRules(norm_factor=10.0)
+    hist = {"median_norm_per_step": 0.01}
+    assert rules.bound(hist, plan, 10) == pytest.approx(10 * 0.01 * 2)
+    assert rules.bound(hist, plan, 100) == pytest.approx(10 * 0.01 * 20)
+    assert rules.bound({"median_norm": 0.3}, plan, 100) == pytest.approx(3.0)  # a state from before
+    assert local_steps(DevicePlan({"w": np.zeros(2, np.float32)}, {}, {}, {}), 50) == 1

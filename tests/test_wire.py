@@ -225,3 +225,36 @@ def test_plan_encoder_writes_exactly_what_encode_writes_and_packs_shared_weights
         assert all(np.array_equal(back.weights[k], v) for k, v in p.weights.items())
     # two weight sets and one program packed, whatever the number of plans
     assert len(enc._packed) == 3
+
+
+def test_the_dense_fast_path_decodes_exactly_what_the_general_path_does():
+    """unpack_update's shortcut for {"s", "x"} records (the coordinator's hot path) builds the same update as
+    the general path, and hands everything else (hostile variants included) to it, which refuses it."""
+    from edge.protocol.wire import _dense_update, unpack_update
+    rng = np.random.default_rng(0)
+    good = []
+    for code, dt in (("f4", np.float32), ("f2", np.float16), ("f8", np.float64)):
+        for shape in ([5], [3, 4], [2, 3, 4]):
+            a = rng.standard_normal(shape).astype(dt)
+            good.append({"s": list(shape), "x": {"d": code, "s": list(shape), "b": a.astype(np.dtype(dt).newbyteorder("<")).tobytes()}})
+    for rec in good:
+        fast = _dense_update(rec)
+        slow = unpack_update(rec, "t", finite=True)  # the general path (the shortcut is for finite=False)
+        assert fast is not None and fast.shape == slow.shape and fast.encoding == slow.encoding
+        assert fast.values.dtype == slow.values.dtype and np.array_equal(fast.values, slow.values)
+        assert fast.mask is None and not fast.sampled
+    base = good[1]
+    bad = [
+        {"s": [3, 4], "x": {**base["x"], "s": [4, 3]}},              # values' shape is not the tensor's
+        {"s": [3, 4], "x": {**base["x"], "d": ["f4"]}},              # unhashable dtype
+        {"s": [3, 4], "x": {**base["x"], "d": "i4"}},                # not floating point
+        {"s": [3, 4], "x": {**base["x"], "b": base["x"]["b"][:-1]}},  # short data
+        {"s": [True, 4], "x": {**base["x"], "s": [True, 4]}},       # a bool dimension
+        {"s": [], "x": {**base["x"], "s": []}},                      # a scalar is not an update
+        {"s": [3, 4], "m": b"\xff"},                                 # a mask without values
+        {"s": [3, 4], "x": {**base["x"], "extra": 1}},              # an unknown array field
+    ]
+    for rec in bad:
+        assert _dense_update(rec) is None
+        with pytest.raises(wire.WireError):
+            unpack_update(rec, "t", finite=False)

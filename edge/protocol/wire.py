@@ -384,11 +384,37 @@ _UPDATE_FIELDS = frozenset({"s", "x", "m", "i", "w", "g", "e", "h"})
 _MASK_FIELDS = frozenset({"m", "i", "g", "e"})
 
 
+def _dense_update(obj: dict) -> TensorUpdate | None:
+    """``{"s": shape, "x": array}`` with a plain float dtype whose shape is ``s`` (what the general path would
+    accept from such a record, and build), or None for anything else, which the general path then handles
+    (and refuses with its message)."""
+    shape, x = obj.get("s"), obj.get("x")
+    if type(x) is not dict or x.keys() != _ARRAY_FIELDS or x["s"] != shape or not _good_shape(shape, 1):
+        return None
+    code, buf = x["d"], x["b"]
+    if type(code) is not str or code not in _FLOAT_CODES or type(buf) is not bytes:
+        return None
+    dt = _LE[code]
+    if math.prod(shape) * dt.itemsize != len(buf):
+        return None
+    a = np.frombuffer(buf, dtype=dt).reshape(shape)
+    t = TensorUpdate(tuple(shape), a if _NATIVE[code] else a.astype(DTYPES[code]))
+    t.encoding = code
+    return t
+
+
+_FLOAT_CODES = frozenset(k for k, v in DTYPES.items() if np.dtype(v).kind == "f")
+
+
 def unpack_update(obj: Any, what: str, *, finite: bool = True) -> TensorUpdate:
     """``finite=False`` leaves the finiteness of the values to the caller (the coordinator's admission does
     it in the same pass as the update's norm)."""
     if not isinstance(obj, dict):
         raise WireError(f"{what}: not an update record")
+    if len(obj) == 2 and not finite:  # the common report tensor: dense, plain dtype (every check below, inline)
+        t = _dense_update(obj)
+        if t is not None:
+            return t
     if not obj.keys() <= _UPDATE_FIELDS:
         _only(obj, _UPDATE_FIELDS, what)
     shape = obj.get("s")
