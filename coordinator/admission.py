@@ -172,9 +172,21 @@ def update_norm(plan: DevicePlan, report: Report, max_abs_value: float = math.in
     for k, t in report.tensors.items():
         v = t.values
         w_max = 0.0
-        if t.sampled:  # differences (check_structure), read as the strategy will: each row over its probability
-            v = v.astype(np.float32) / t.probs.astype(np.float32).reshape((-1,) + (1,) * (v.ndim - 1))
-        elif not delta:
+        if t.sampled:
+            # differences (check_structure): the Horvitz-Thompson estimate of the whole update's squared norm,
+            # sum over the sent rows of ||v_j||^2 / p_j, which is unbiased for it. The estimate's own norm,
+            # ||v_j / p_j||, swings with which rows were drawn (a row sent at p_min counts 1 / p_min^2) and
+            # got honest reports refused late in training; how far a report can move the sum stays bounded,
+            # by this norm over sqrt(p_min).
+            v32 = v.astype(np.float32, copy=False).reshape(len(v), -1)
+            sq = float(np.dot(np.einsum("ij,ij->i", v32, v32), 1.0 / t.probs))
+            if not math.isfinite(sq):
+                raise ReportRejected(f"{k}: values that are not finite")
+            if math.sqrt(sq) > max_abs_value:
+                _check_range(k, t.values, max_abs_value)
+            total += sq
+            continue
+        if not delta:
             d = plan_difference(plan, report, k)  # computed once for admission and the strategy's sum
             if d is not None:
                 v = d

@@ -239,7 +239,17 @@ def test_the_norm_bound_and_clipping_read_a_sampled_update_as_the_strategy_does(
     up = upload_spec("f4", sample="uniform", keep=0.5)
     dp = DevicePlan(w0, {}, up, SPEC)
     rep = wire.decode(wire.encode(Report("r1", "d0", 7, {}, encode_update(new, _plan(w0, up, 3), {}))))
-    want = math.sqrt(sum(float(np.square(received_weights(dp, rep, k) - w0[k]).sum()) for k in w0))
+    # sampled tensors: the Horvitz-Thompson estimate of the squared norm, sum over sent rows of ||v||^2 / p
+    # (written out); vectors go whole
+    want = 0.0
+    for k, t in rep.tensors.items():
+        if t.sampled:
+            want += sum(float(np.square(t.values[j].astype(np.float64)).sum()) / (t.pcodes[j] / 255.0)
+                        for j in range(len(t.values)))
+        else:
+            want += float(np.square(received_weights(dp, rep, k) - w0[k]).sum())
+    want = math.sqrt(want)
+    assert any(t.sampled for t in rep.tensors.values())
     got, norm = admit(dp, rep, AdmissionRules(norm_bound=1e9), {})
     assert norm == pytest.approx(want, rel=1e-6)  # admission sums in float32 (a bound check)
     clipped, _ = admit(dp, rep, AdmissionRules(norm_bound=want / 4, clip=True), {})
