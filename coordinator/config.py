@@ -6,7 +6,7 @@ Sections (each a dataclass; its field ``metadata`` holds the allowed ranges)::
     [state]        path                                               (SQLite state file)
     [rounds]       rounds, clients_per_round, over_selection, ...     (coordinator.rounds.RoundConfig)
     [eligibility]  require_charging, require_unmetered, ...           (coordinator.registry.Eligibility)
-    [admission]    norm_bound, norm_factor, clip, max_abs_value, max_accuracy_drop
+    [admission]    norm_bound, norm_factor, clip, refuse_factor, max_abs_value, max_accuracy_drop
     [quarantine]   after, window_s, first_s, max_s
     [pace]         enabled, checkins_per_s, min_window_s, max_after_s          (coordinator.registry.Pacing)
     [strategy]     name, sizes (the zoo MLP), and that strategy's own options

@@ -562,10 +562,11 @@ def test_admission_of_a_gradient_plan():
     rules = AdmissionRules()
     admitted, norm = admit(plan, rep, rules, {})
     assert norm == pytest.approx(5.0)  # the gradient's own norm, not its distance from the plan's values
-    with pytest.raises(ReportRejected):
-        admit(plan, rep, rules, {"median_norm": 0.1})
-    clipped, _ = admit(plan, rep, AdmissionRules(clip=True), {"median_norm": 0.1})
-    np.testing.assert_allclose(clipped.tensors["a"].values, g * (1.0 / 5.0), rtol=1e-6)
+    with pytest.raises(ReportRejected):  # 50 x the bound of 10 x 0.01: refused
+        admit(plan, rep, rules, {"median_norm": 0.01})
+    for r in (rules, AdmissionRules(clip=True)):  # 5 x the bound of 10 x 0.1: clipped to it
+        clipped, _ = admit(plan, rep, r, {"median_norm": 0.1})
+        np.testing.assert_allclose(clipped.tensors["a"].values, g * (1.0 / 5.0), rtol=1e-6)
     with pytest.raises(ValueError):
         DevicePlan({}, {}, {"dtype": "f2", "delta": True}, {}, update="gradient")
 
