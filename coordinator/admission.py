@@ -78,6 +78,22 @@ class AdmissionRules:
         return self.norm_factor * plan_norm(plan)
 
 
+NORM_WINDOW = 32  # update norms behind the norm bound's median, across the last rounds when they are small
+
+
+def next_history(history: dict[str, Any], per_step: list[float]) -> dict[str, Any]:
+    """The admission history after a round whose committed reports had these update norms per local step (in
+    device-id order): their median, topped up with the last rounds' to NORM_WINDOW norms when the round is
+    small (the median of two or three reports is noise)."""
+    out = dict(history)
+    if per_step:
+        pool = per_step if len(per_step) >= NORM_WINDOW else (list(history.get("recent_norms", [])) + per_step)[-NORM_WINDOW:]
+        out["median_norm_per_step"] = float(np.median(pool))
+        out["recent_norms"] = [float(x) for x in pool[-NORM_WINDOW:]]
+        out.pop("median_norm", None)
+    return out
+
+
 def local_steps(plan: DevicePlan, n: int) -> int:
     """The optimiser steps a device with ``n`` samples takes on ``plan``: epochs x ceil(n / batch_size), as the
     driver batches (edge/algorithms/driver.py); 1 for a plan without both (a gradient, a closed-form step)."""

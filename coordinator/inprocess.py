@@ -22,8 +22,9 @@ from edge.trainers.torch_backend import TorchTrainer
 from edge.protocol.wire import Plan
 from edge.protocol.capabilities import EXTENSIONS
 
+from .admission import AdmissionRules, admit, local_steps, next_history
 from .selection import device_seed, n_to_select, select_ordered
-from .strategies.base import ServerState, Strategy
+from .strategies.base import ReportRejected, ServerState, Strategy
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Loop:
     ids: list[str] | None = None  # device ids (default d0, d1, ...): selection and seeds depend on them
     threads: int | None = None  # torch threads (1, as simulated devices use, for bitwise comparisons)
     caps: dict[str, dict[str, Any]] = field(default_factory=dict)  # capabilities by device id (plan() sees them)
+    # round_as_coordinator admits reports as the coordinator does (norm bound, clipping, refusals); None: off
+    admission: AdmissionRules | None = field(default_factory=AdmissionRules)
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -48,6 +51,7 @@ class Loop:
         self.local = {d: LocalState(Path(self.workdir) / d) for d in self.ids}
         self.programs: dict[str, set[str]] = {d: set() for d in self.ids}  # program hashes each device holds
         self.state = self.strategy.init(self.seed)
+        self.admission_history: dict[str, Any] = {}  # the round machine's (admission.next_history)
 
     def trainer(self, spec: dict, objective: str, layout: dict | None = None) -> TorchTrainer:
         prog = torch_program(spec, objective, layout)
@@ -60,19 +64,27 @@ class Loop:
     def round_as_coordinator(self, clients_per_round: int, over_selection: float, attempt: int = 1) -> dict[str, Any]:
         """One round as the coordinator's reproducible mode runs it: the seeded draw over every device, the first
         ``clients_per_round`` of the draw committed in that order; the over-selected rest train (a stateful client
-        keeps what it learnt) and are not used."""
+        keeps what it learnt) and are not used. Reports are admitted by the coordinator's rules (``admission``),
+        so a clipped or refused report changes the run here as it does over MQTT."""
         k = n_to_select(clients_per_round, over_selection, len(self.ids))
         order = [self.ids.index(d) for d in select_ordered(self.ids, k, self.seed, self.state.round + 1, attempt)]
-        return self.round(order[:clients_per_round], train_only=order[clients_per_round:])
+        if self.admission is None:
+            return self.round(order[:clients_per_round], train_only=order[clients_per_round:])
+        return self.round(order, commit=clients_per_round)
 
-    def round(self, chosen: list[int], train_only: list[int] = ()) -> dict[str, Any]:
-        """Devices ``chosen`` train and are aggregated in that order; ``train_only`` train and are not."""
+    def round(self, chosen: list[int], train_only: list[int] = (), commit: int | None = None) -> dict[str, Any]:
+        """Devices ``chosen`` train and are aggregated in that order; ``train_only`` train and are not.
+
+        With ``commit`` (and ``admission`` rules), every report of ``chosen`` is admitted as the coordinator
+        admits it (clipped above the norm bound, refused far above it), and the first ``commit`` admitted
+        ones are aggregated: a refused device's place goes to the next in order, as in reproducible mode."""
         rnd = self.state.round + 1
         observe = getattr(self.strategy, "observe_fleet", None)
         if observe is not None:  # the fleet as the coordinator's registry would hold it
             observe({d: len(self.shards[i][0]) for i, d in enumerate(self.ids)})
         acc = self.strategy.begin(self.state)
         down = up = 0
+        summed: list[tuple[str, float, int]] = []  # (device, norm, steps) of the reports aggregated
         for i in [*chosen, *train_only]:
             d = self.ids[i]
             # its devices run this package's driver: they implement the protocol extensions (as a Device declares)
@@ -89,11 +101,26 @@ class Loop:
             x, y = self.shards[i]
             rep = run_plan(plan, self.trainer(dp.spec, dp.objective, dp.layout), x, y, self.local[d])
             payload = wire.encode(rep)
-            if i in chosen:
+            if commit is not None:
+                if len(summed) >= commit:
+                    continue  # over-selected and not needed
+                got = wire.decode(payload, finite_updates=False)
+                try:
+                    got, norm = admit(dp, got, self.admission, self.admission_history)
+                except ReportRejected:
+                    continue  # as the coordinator refuses it: the next device in order takes its place
+                summed.append((d, norm, local_steps(dp, len(x))))
+                up += len(payload)
+                self.strategy.accumulate(self.state, acc, dp, got)
+            elif i in chosen:
                 up += len(payload)
                 self.strategy.accumulate(self.state, acc, dp, wire.decode(payload))
         self.state = self.strategy.finish(self.state, acc)
-        row = {"round": rnd, "bytes_down": down, "bytes_up": up, "reports": len(chosen)}
+        if commit is not None:
+            self.admission_history = next_history(self.admission_history,
+                                                  [n / s for _, n, s in sorted(summed)])
+        row = {"round": rnd, "bytes_down": down, "bytes_up": up,
+               "reports": len(chosen) if commit is None else len(summed)}
         metrics: Callable | None = getattr(self.strategy, "metrics", None)
         if metrics is not None:
             row |= metrics(self.state)

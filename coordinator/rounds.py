@@ -38,7 +38,7 @@ from edge.protocol.machine import IllegalEvent, Move, Publish, Table, lookup  # 
 from edge.runtime.program import Program
 from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, Report, Status, WireError
 
-from .admission import AdmissionRules, admit, local_steps
+from .admission import NORM_WINDOW, AdmissionRules, admit, local_steps, next_history  # noqa: F401
 from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry
@@ -49,7 +49,6 @@ log = logging.getLogger("fedge.coordinator")
 
 CHECKIN_MAX_BYTES = 256 * 1024  # a check-in or status is a few hundred bytes; nothing from a device is unbounded
 REPORT_OVERHEAD_BYTES = 64 * 1024  # metrics, names and msgpack framing on top of the arrays a plan allows
-NORM_WINDOW = 32  # update norms behind the norm bound's median, across the last rounds when they are small
 ADMISSION_KEY = "_admission"  # the machine's own entry in ServerState.meta (norm history, last accuracy)
 
 NO_ROUND, ROUND_OPEN, FINISHED = "no round", "round open", "finished"
@@ -802,16 +801,9 @@ class RoundMachine:
         if why:
             return self._abandon(now, f"commit refused: {why}")
         self._close(now)
-        hist = dict(self.history)
-        if o.norms:
-            # the norm bound's reference: the median of this round's update norms, topped up with the last
-            # rounds' to NORM_WINDOW of them: the median of a small round's two or three reports is noise
-            # per local step (admission.AdmissionRules.bound)
-            mine = [o.norms[d] / local_steps(o.plans[d], self._samples(d)) for d in sorted(o.norms)]
-            pool = mine if len(mine) >= NORM_WINDOW else (list(hist.get("recent_norms", [])) + mine)[-NORM_WINDOW:]
-            hist["median_norm_per_step"] = float(np.median(pool))
-            hist["recent_norms"] = [float(x) for x in pool[-NORM_WINDOW:]]
-            hist.pop("median_norm", None)
+        # the norm bound's reference: this round's update norms per local step (admission.next_history)
+        hist = next_history(self.history, [o.norms[d] / local_steps(o.plans[d], self._samples(d))
+                                           for d in sorted(o.norms)])
         if "accuracy" in metrics:
             hist["accuracy"] = float(metrics["accuracy"])
         new.meta = dict(new.meta) | {ADMISSION_KEY: hist}

@@ -94,6 +94,9 @@ def test_two_workers_one_killed_mid_round_every_report_counted_once(tmp_path):
         fleet = Fleet(specs, b.url)
         try:
             assert coord.wait(120) and coord.error is None
+            # the last round's acks go out as the run ends: let them arrive before the devices go
+            wait_until(lambda: len({(a.task_id, a.device_id) for a in fleet.acks if a.status == "accepted"}) >= 12,
+                       10, "the last acks")
         finally:
             fleet.stop()
             w1.stop()
