@@ -87,7 +87,9 @@ def next_history(history: dict[str, Any], per_step: list[float]) -> dict[str, An
     small (the median of two or three reports is noise)."""
     out = dict(history)
     if per_step:
-        pool = per_step if len(per_step) >= NORM_WINDOW else (list(history.get("recent_norms", [])) + per_step)[-NORM_WINDOW:]
+        pool = per_step
+        if len(pool) < NORM_WINDOW:
+            pool = (list(history.get("recent_norms", [])) + per_step)[-NORM_WINDOW:]
         out["median_norm_per_step"] = float(np.median(pool))
         out["recent_norms"] = [float(x) for x in pool[-NORM_WINDOW:]]
         out.pop("median_norm", None)

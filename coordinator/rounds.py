@@ -38,7 +38,7 @@ from edge.protocol.machine import IllegalEvent, Move, Publish, Table, lookup  # 
 from edge.runtime.program import Program
 from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, Report, Status, WireError
 
-from .admission import NORM_WINDOW, AdmissionRules, admit, local_steps, next_history  # noqa: F401
+from .admission import AdmissionRules, admit, local_steps, next_history
 from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry

@@ -189,14 +189,14 @@ class Store:
                     reports.append(self._report_row(d, off))
                     continue
                 self._insert_reports(reports)
-                self._row(what, d, off)
+                self._row(what, d)
                 if what in ("commit", "abandon"):
                     done.append(d["task_id"])
             self._insert_reports(reports)
         for task in done:
             self._forget(task)
 
-    def _row(self, what: str, d: dict[str, Any], off: int | None) -> None:
+    def _row(self, what: str, d: dict[str, Any]) -> None:
         db = self.db
         if what == "device":
             db.execute("INSERT INTO devices (device_id, caps, programs, n, online, updated, available) "
@@ -221,8 +221,6 @@ class Store:
             if d.get("quarantines"):
                 db.execute("UPDATE devices SET quarantined_until=?, quarantines=? WHERE device_id=?",
                            (d["quarantined_until"], d["quarantines"], d["device_id"]))
-        elif what == "report":
-            self._insert_reports([self._report_row(d, off)])
         elif what == "sums":
             db.execute("INSERT OR REPLACE INTO sums VALUES (?,?)", (d["task_id"], d["blob"]))
         elif what == "abandon":
@@ -275,8 +273,8 @@ class Store:
         info = dict(zip(("round", "attempt", "task_id", "selected", "deadline", "opened_at"), row))
         info["selected"] = json.loads(info["selected"])
         reports = []
-        row = self.db.execute("SELECT blob FROM sums WHERE task_id=?", (info["task_id"],)).fetchone()
-        info["sums"] = row[0] if row else None
+        snap = self.db.execute("SELECT blob FROM sums WHERE task_id=?", (info["task_id"],)).fetchone()
+        info["sums"] = snap[0] if snap else None
         info["accepted"] = [tuple(r) for r in self.db.execute(
             "SELECT device_id, n, norm FROM reports WHERE task_id=? AND file IS NULL ORDER BY rowid",
             (info["task_id"],))]

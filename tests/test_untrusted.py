@@ -374,7 +374,7 @@ def test_the_norm_bounds_median_pools_small_rounds(tmp_path):
     """Rounds of two reports: the bound's reference is the median of the last rounds' norms pooled (up to
     NORM_WINDOW), not of two reports, where one honest device with much more data would be 'ten times the
     median' of a round with a small one."""
-    import coordinator.rounds as R
+    from coordinator.admission import NORM_WINDOW
     bus = make_bus(tmp_path, 4, rounds=3, per_round=2, over=1.0)
     bus.connect_all()
     for _ in range(3):
@@ -388,7 +388,7 @@ def test_the_norm_bounds_median_pools_small_rounds(tmp_path):
     h = bus.m.history
     assert len(seen) == 6 and h["recent_norms"] == pytest.approx(seen)
     assert h["median_norm_per_step"] == pytest.approx(float(np.median(seen)))
-    assert R.NORM_WINDOW >= 16
+    assert NORM_WINDOW >= 16
 
 
 def test_the_norm_bound_grows_with_a_devices_local_steps():

@@ -236,7 +236,8 @@ def test_the_dense_fast_path_decodes_exactly_what_the_general_path_does():
     for code, dt in (("f4", np.float32), ("f2", np.float16), ("f8", np.float64)):
         for shape in ([5], [3, 4], [2, 3, 4]):
             a = rng.standard_normal(shape).astype(dt)
-            good.append({"s": list(shape), "x": {"d": code, "s": list(shape), "b": a.astype(np.dtype(dt).newbyteorder("<")).tobytes()}})
+            data = a.astype(np.dtype(dt).newbyteorder("<")).tobytes()
+            good.append({"s": list(shape), "x": {"d": code, "s": list(shape), "b": data}})
     for rec in good:
         fast = _dense_update(rec)
         slow = unpack_update(rec, "t", finite=True)  # the general path (the shortcut is for finite=False)
