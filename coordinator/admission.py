@@ -117,8 +117,17 @@ def plan_norm(plan: DevicePlan) -> float:
 
 def _sq(a: np.ndarray) -> float:
     """sum of squares, as one BLAS dot (float32 accumulation is ample for a bound)."""
-    f = np.ascontiguousarray(a).reshape(-1)
-    return float(np.dot(f, f))
+    return float(np.vdot(a, a))  # flattens a contiguous array without a copy
+
+
+def _expected(plan: DevicePlan) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+    """Per tensor the plan lets a device send: its shape, its value format, whether it may carry a row mask.
+    Kept on the plan (a round's devices usually share one): admission asks for every report."""
+    e = plan.__dict__.get("_expected")
+    if e is None:
+        e = {k: (s, value_format(plan.upload, len(s)), k in plan.maskable) for k, s in plan.returned().items()}
+        object.__setattr__(plan, "_expected", e)
+    return e
 
 
 def check_structure(plan: DevicePlan, report: Report, rules: AdmissionRules) -> None:
@@ -129,19 +138,19 @@ def check_structure(plan: DevicePlan, report: Report, rules: AdmissionRules) -> 
     vectors): q8-coded values where the plan asked for f4 are refused, as are f4 values where it asked for q8.
     A sampled update (rows sent with inclusion probabilities) only where the plan asks for one, as differences,
     with every probability at least the plan's p_min."""
-    allowed = plan.returned()
+    expected = _expected(plan)
     up = plan.upload
     for k, t in report.tensors.items():
-        shape = allowed.get(k)
-        if shape is None:
+        e = expected.get(k)
+        if e is None:
             raise ReportRejected(f"tensor {k[:64]!r} was not asked for")
+        shape, want, maskable = e
         if t.shape != shape:
             raise ReportRejected(f"{k}: shape {t.shape[:8]}, the plan sent {shape}")
-        want = value_format(up, len(shape))
         got = t.encoding if t.encoding is not None else _PLAIN_FORMATS.get(t.values.dtype, str(t.values.dtype))
         if got != want:
             raise ReportRejected(f"{k}: values are {_NAMES.get(got, got)}, the plan asked for {_NAMES.get(want, want)}")
-        if k not in plan.maskable and not t.dense_rows:
+        if not maskable and not t.dense_rows:
             raise ReportRejected(f"{k}: a row mask where the plan allows none")
         if t.sampled:
             if not up.get("sample") or not up.get("delta"):

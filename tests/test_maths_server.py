@@ -145,12 +145,17 @@ def test_fedavg_and_fedprox_step_to_the_sample_weighted_mean(cls):
             close(new.weights[k], m, atol=1e-5)
 
 
-def test_fedavg_sums_many_reports_to_float64_precision_through_its_float32_buffer():
+@pytest.mark.parametrize("blas", [True, False])
+def test_fedavg_sums_many_reports_to_float64_precision_through_its_float32_buffer(blas, monkeypatch):
     """The weighted sum over more reports than the float32 buffer holds (Accumulator.FOLD), reports on the
     round's weights (buffered) mixed with reports on a copy of them (summed in float64 directly), against
     sum_s n_s w_s written out in float64. The buffer sums updates, not weights, so its error sits far below
-    a float32 weight's resolution; a buffer of weights (or any float32 sum of them) misses by ~1e-6 here."""
+    a float32 weight's resolution; a buffer of weights (or any float32 sum of them) misses by ~1e-6 here.
+    With and without scipy's BLAS (numpy does the same sums in more passes)."""
     from coordinator.strategies import fedavg as F
+    if not blas:
+        monkeypatch.setattr(F, "_saxpy", None)
+        monkeypatch.setattr(F, "_daxpy", None)
     rng = np.random.default_rng(7)
     s = FedAvg(spec=mlp([40, 30, 3]))
     st = s.init(0)
@@ -180,6 +185,33 @@ def test_fedavg_sums_many_reports_to_float64_precision_through_its_float32_buffe
         for k, v in plan.weights.items():
             f32[k] += np.float32(n) * (v + rng.normal(0, 0.01, v.shape)).astype(np.float32)
     assert max(np.abs(f32[k] / total - ref[k] / total).max() for k in ref) > 1e-8
+
+
+def test_fedavg_snapshot_restores_the_sums_exactly_and_refuses_another_models():
+    """Durable sums: a snapshot taken mid-buffer (reports pending in float32) restores to the same float64 sums,
+    sample total and count, bit for bit; a snapshot of another model, or cut short, is refused."""
+    from coordinator.strategies import fedavg as F
+    rng = np.random.default_rng(3)
+    s = FedAvg(spec=SPEC)
+    st = s.init(0)
+    dp = s.plan(st, "d", {})
+    acc = s.begin(st)
+    for i in range(F.FOLD + 5):
+        ws = {k: (v + rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in dp.weights.items()}
+        s.accumulate(st, acc, dp, dense(f"d{i}", int(rng.integers(1, 50)), ws))
+    blob = s.snapshot(acc)
+    back = s.restore_snapshot(st, blob, {})
+    assert back.total_n == acc.total_n and back.count == acc.count == F.FOLD + 5
+    for k, v in acc.sums.items():
+        assert back.sums[k].dtype == np.float64 and np.array_equal(back.sums[k], v)
+    assert np.abs(acc.sums["fc0.weight"]).max() > 1  # not the zeros of a fresh accumulator
+    other = FedAvg(spec=mlp([6, 4, 3]))
+    with pytest.raises(ValueError, match="the model has"):
+        other.restore_snapshot(other.init(0), blob, {})
+    with pytest.raises(ValueError):
+        s.restore_snapshot(st, blob[:-8], {})
+    with pytest.raises(ValueError, match="not a fedge sums snapshot"):
+        s.restore_snapshot(st, b"PK" + blob[2:], {})
 
 
 def test_fedprox_sends_mu_and_names_its_objective():

@@ -103,27 +103,22 @@ def received_weights(plan: DevicePlan, report: Report, name: str) -> np.ndarray:
 
 def plan_difference(plan: DevicePlan, report: Report, name: str) -> np.ndarray | None:
     """w_s - w (float32) of a dense float32 tensor sent as weights, computed once per report: admission's norm
-    and FedAvg's sum both need it. The buffers live on the plan (a round's devices share one) and hold the
-    report most recently asked about; asking about another report recomputes them, so a report held for later
-    (reproducible mode) or clipped (a new object) is never read from another report's buffer. One thread
-    (the round machine's). None when the tensor is not that case."""
-    t, w = report.tensors[name], plan.weights[name]
-    if (t.mask is not None or t.sampled or plan.upload.get("delta") or plan.update == "gradient"
-            or t.values.dtype != np.float32 or w.dtype != np.float32 or t.values.shape != w.shape):
-        return None
-    memo = plan.__dict__.get("_differences")
-    if memo is None:
-        memo = {"report": None, "done": set(), "bufs": {}}
-        object.__setattr__(plan, "_differences", memo)
-    if memo["report"] is not report:
-        memo["report"], memo["done"] = report, set()
-    buf = memo["bufs"].get(name)
-    if buf is None:
-        buf = memo["bufs"][name] = np.empty(w.shape, np.float32)
-    if name not in memo["done"]:
-        np.subtract(t.values, w, out=buf)
-        memo["done"].add(name)
-    return buf
+    and FedAvg's sum both need it. It is kept on the report, so it goes when the report does (ingest's next
+    report then reuses that memory while it is still in cache), and a report held for later (reproducible
+    mode) or clipped (a new object) never reads another's. None when the tensor is not that case."""
+    memo = report.__dict__.get("_differences")
+    if memo is None or memo[0] is not plan:
+        memo = report.__dict__["_differences"] = (plan, {})
+    d = memo[1].get(name, _NOT_YET)
+    if d is _NOT_YET:
+        t, w = report.tensors[name], plan.weights[name]
+        plain = (t.plain and t.values.dtype == np.float32 and w.dtype == np.float32 and t.values.shape == w.shape
+                 and not plan.upload.get("delta") and plan.update != "gradient")
+        d = memo[1][name] = np.subtract(t.values, w) if plain else None
+    return d
+
+
+_NOT_YET = object()
 
 
 def upload_spec(dtype: str, *, dtype_1d: str | None = None, delta: bool | None = None, sample: str | None = None,

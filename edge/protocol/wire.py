@@ -311,6 +311,11 @@ class TensorUpdate:
         return self._mask
 
     @property
+    def plain(self) -> bool:
+        """Every row, every row sent: no mask of any kind and no sample (a dense update, the common report)."""
+        return self._mask is None and self._index is None and self._inactive is None and self._sample is None
+
+    @property
     def dense_rows(self) -> bool:
         """True when every row is present (no mask, or a mask of all ones), without building the mask."""
         if self._index is not None:
@@ -409,12 +414,16 @@ _FLOAT_CODES = frozenset(k for k, v in DTYPES.items() if np.dtype(v).kind == "f"
 def unpack_update(obj: Any, what: str, *, finite: bool = True) -> TensorUpdate:
     """``finite=False`` leaves the finiteness of the values to the caller (the coordinator's admission does
     it in the same pass as the update's norm)."""
-    if not isinstance(obj, dict):
-        raise WireError(f"{what}: not an update record")
-    if len(obj) == 2 and not finite:  # the common report tensor: dense, plain dtype (every check below, inline)
-        t = _dense_update(obj)
+    if len(obj) == 2 and not finite and type(obj) is dict:  # the common report tensor: dense, plain dtype
+        t = _dense_update(obj)  # (every check below, inline)
         if t is not None:
             return t
+    return _unpack_update(obj, what, finite)
+
+
+def _unpack_update(obj: Any, what: str, finite: bool) -> TensorUpdate:
+    if not isinstance(obj, dict):
+        raise WireError(f"{what}: not an update record")
     if not obj.keys() <= _UPDATE_FIELDS:
         _only(obj, _UPDATE_FIELDS, what)
     shape = obj.get("s")
@@ -720,7 +729,9 @@ def _dec_report(d: dict, w: str, finite: bool = True) -> Report:
     for k, v in tens.items():
         if not isinstance(k, str) or not k or len(k) > MAX_STR:
             raise WireError(f"{w}: bad tensor name {_short(k)}")
-        tensors[k] = unpack_update(v, f"{w}.tensors[{_short(k)}]", finite=finite)
+        # the common tensor first, before a name for error messages is built (ingest decodes every report)
+        t = _dense_update(v) if not finite and type(v) is dict and len(v) == 2 else None
+        tensors[k] = t if t is not None else _unpack_update(v, f"{w}.tensors[{_short(k)}]", finite)
     return Report(_id(d, "task_id", w), _id(d, "device_id", w), n, _scalars(d.get("metrics"), f"{w}.metrics"),
                   tensors, _arrays(d.get("extras", {}), f"{w}.extras"))
 
