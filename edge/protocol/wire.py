@@ -105,8 +105,12 @@ def _pack_any(a: "np.ndarray | Coded") -> dict:
 
 def _good_shape(shape: Any, min_ndim: int) -> bool:
     """A list of at most MAX_NDIM ints (not bools) in [0, 2^31)."""
-    return (type(shape) is list and min_ndim <= len(shape) <= MAX_NDIM
-            and all(type(d) is int and 0 <= d < 2147483648 for d in shape))
+    if type(shape) is not list or not min_ndim <= len(shape) <= MAX_NDIM:
+        return False
+    for d in shape:  # a loop, not all(...): every tensor of every report comes here
+        if type(d) is not int or not 0 <= d < 2147483648:
+            return False
+    return True
 
 
 def unpack_array(obj: Any, what: str, *, finite: bool = True) -> np.ndarray:
