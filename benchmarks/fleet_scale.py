@@ -11,9 +11,13 @@ publishes the broker never acknowledged.
     PYTHONPATH=$PWD python benchmarks/fleet_scale.py                       # 1,000 and 10,000 devices
     PYTHONPATH=$PWD python benchmarks/fleet_scale.py --sizes 1000 --rounds 10 --per-round 100
     PYTHONPATH=$PWD python benchmarks/fleet_scale.py --modes 1000:on --append   # training instant: saturation
+    PYTHONPATH=$PWD python benchmarks/fleet_scale.py --sizes 300 --per-round 200 --rounds 10 \
+        --model 256,512,128,10 --modes 1000:on --out runs/bench/fleet_scale_200k.json [--workers 2]
+                                                      # 200k parameters: the daemon's CPU per report
 
 writes ``runs/bench/fleet_scale.json`` (top-level keys ``devices`` and ``messages_lost``: the largest fleet run, and
-the sum over every run) and prints a summary.
+the sum over every run) and prints a summary. ``--workers N`` runs ``fedge ingest`` workers (``[ingest] shared =
+true``) and records their CPU apart from the coordinator's.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,11 +50,40 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _start_workers(conf: Path, wd: Path, k: int) -> list[tuple[subprocess.Popen, Path]]:
+    """``fedge ingest`` workers (``[ingest] shared = true``), each once it is connected: a report published
+    before any member of the shared subscription exists would go to nobody."""
+    out = []
+    for i in range(k):
+        log = wd / f"ingest-w{i}.log"
+        with open(log, "ab") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "-v", "ingest", "--config", str(conf),
+                                     "--name", f"w{i}"], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        out.append((proc, log))
+    end = time.time() + 60
+    for proc, log in out:
+        while b"connected to" not in log.read_bytes():
+            if proc.poll() is not None or time.time() > end:
+                raise RuntimeError(f"an ingest worker did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+    return out
+
+
+def _stop_workers(workers: list[tuple[subprocess.Popen, Path]]) -> list[float]:
+    """SIGTERM each worker; its CPU seconds (``wait4`` rusage)."""
+    cpu = []
+    for proc, _ in workers:
+        proc.send_signal(signal.SIGTERM)
+        _, _, ru = os.wait4(proc.pid, 0)
+        cpu.append(ru.ru_utime + ru.ru_stime)
+    return cpu
+
+
 def run_one(n: int, per_round: int, rounds: int, pace: bool, *, sizes: list[int], speedup: float,
             round_timeout: float, max_wall: float, connect_rate: float, workdir: Path, seed: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, workers: int = 0) -> dict:
     load0 = os.getloadavg()[0]
-    wd = workdir / f"n{n}-x{speedup:g}-{'pace' if pace else 'nopace'}"
+    wd = workdir / f"n{n}-x{speedup:g}-{'pace' if pace else 'nopace'}{f'-w{workers}' if workers else ''}"
     shutil.rmtree(wd, ignore_errors=True)
     wd.mkdir(parents=True)
     fleet_name = f"scale{n}x{speedup:g}{'p' if pace else 'n'}"
@@ -62,7 +96,9 @@ def run_one(n: int, per_round: int, rounds: int, pace: bool, *, sizes: list[int]
                        "seed": seed},
             "pace": {"enabled": pace},
             "strategy": {"name": "fedavg", "sizes": sizes, "epochs": 1, "batch_size": 20, "lr": 0.05},
+            **({"ingest": {"shared": True}} if workers else {}),
         })
+        ingest = _start_workers(conf, wd, workers) if workers else []
         log = wd / "coordinator.log"
         proc = start_coordinator(conf, log, verbose=0)
         # devices connect once the coordinator listens (a check-in published before it subscribed is lost to it)
@@ -109,6 +145,7 @@ def run_one(n: int, per_round: int, rounds: int, pace: bool, *, sizes: list[int]
             proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.time() - t_start
         mosq_cpu = _cpu_s(broker.proc.pid) - mosq_cpu0
+        worker_cpu = _stop_workers(ingest)
     import sqlite3
     db = sqlite3.connect(str(wd / "state.sqlite"))
     rows = [json.loads(s) for (s,) in db.execute("SELECT summary FROM rounds WHERE status='committed' ORDER BY round")]
@@ -133,6 +170,9 @@ def run_one(n: int, per_round: int, rounds: int, pace: bool, *, sizes: list[int]
         "coordinator": {"cpu_s": rusage.ru_utime + rusage.ru_stime, "peak_rss_mb": rusage.ru_maxrss / 1024,
                         "exit_code": proc.returncode,
                         "cpu_s_per_report": (rusage.ru_utime + rusage.ru_stime) / reports if reports else None},
+        # with workers the coordinator (the leader) reads reports from their inbox; the rest of ingest is theirs
+        "ingest_workers": {"n": workers, "cpu_s": worker_cpu,
+                           "cpu_s_per_report": sum(worker_cpu) / reports if reports and workers else None},
         "mosquitto_cpu_s": mosq_cpu,
         "fleet_cpu_s": fleet_cpu,  # the simulator's own process (all virtual devices)
         "loadavg_1min": {"start": load0, "end": os.getloadavg()[0]},  # the machine is shared: context
@@ -150,7 +190,10 @@ def run_one(n: int, per_round: int, rounds: int, pace: bool, *, sizes: list[int]
     res["acks_cover_commits"] = res["accepted_acks_received"] >= reports
     print(f"  {n} devices, speedup {speedup:g}, pace {'on ' if pace else 'off'}: {len(rows)}/{rounds} rounds, median round "
           f"{res['round_s']['median'] or 0:.2f} s, {res['reports_per_s']:.0f} reports/s, coordinator "
-          f"{res['coordinator']['cpu_s']:.1f} CPU s (fleet {fleet_cpu:.0f}, broker {mosq_cpu:.0f}), peak RSS {res['coordinator']['peak_rss_mb']:.0f} MB; "
+          f"{res['coordinator']['cpu_s']:.1f} CPU s = {1e3 * (res['coordinator']['cpu_s_per_report'] or 0):.2f} ms a "
+          f"report (fleet {fleet_cpu:.0f}, broker {mosq_cpu:.0f}"
+          f"{f', {workers} ingest workers {sum(worker_cpu):.1f}' if workers else ''}), peak RSS "
+          f"{res['coordinator']['peak_rss_mb']:.0f} MB; "
           f"check-ins/s peak/mean {res['checkin_spread_all']['peak_to_mean']:.2f} "
           f"(mean {res['checkin_spread_all']['mean_per_bin']:.1f}/s), heartbeats per 5 s peak/mean "
           f"{res['checkin_spread_heartbeats_5s']['peak_to_mean']:.2f} (mean "
@@ -175,22 +218,26 @@ def main() -> int:
     ap.add_argument("--append", action="store_true", help="add these runs to an existing fleet_scale.json")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="cProfile the fleet process")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the results go (default %(default)s)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="ingest workers ([ingest] shared = true, `fedge ingest`): reports reach the coordinator "
+                         "through them; their CPU is recorded apart from the coordinator's")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     sizes, per, rounds, walls = ints(a.sizes), ints(a.per_round), ints(a.rounds), [float(x) for x in
                                                                                 a.max_wall.split(",")]
     modes = [(float(m.split(":")[0]), m.split(":")[1] == "on") for m in a.modes.split(",")]
     workdir = ROOT / "runs/bench/fleet_scale"
-    runs = json.loads(OUT.read_text())["runs"] if a.append and OUT.exists() else []
+    runs = json.loads(a.out.read_text())["runs"] if a.append and a.out.exists() else []
     for i, n in enumerate(sizes):
         for speedup, pace in modes:
             runs.append(run_one(n, per[i], rounds[i], pace, sizes=ints(a.model), speedup=speedup,
                                 round_timeout=a.round_timeout, max_wall=walls[i], connect_rate=a.connect_rate,
-                                workdir=workdir, seed=a.seed, profile=a.profile))
+                                workdir=workdir, seed=a.seed, profile=a.profile, workers=a.workers))
             runs[-1]["command"] = "python " + " ".join(sys.argv)
-            OUT.parent.mkdir(parents=True, exist_ok=True)
-            OUT.write_text(json.dumps(_doc(runs, a), indent=1))
-    print(f"wrote {OUT}")
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(_doc(runs, a), indent=1))
+    print(f"wrote {a.out}")
     return 0
 
 

@@ -43,7 +43,7 @@ from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry
 from .selection import Reservoir, device_seed, n_to_select, select_ordered, window_seed
-from .strategies.base import DevicePlan, ReportRejected, ServerState, Strategy
+from .strategies.base import DevicePlan, ReportRejected, ServerState, Strategy, drop_differences
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -466,6 +466,7 @@ class RoundMachine:
                 raise ReportRejected(f"sample count {r.n_samples} differs from the {declared} it declared")
             admitted, norm = admit(plan, r, self.cfg.admission, self.history)
             if self.cfg.reproducible:
+                drop_differences(admitted)  # it waits for its turn; the sum recomputes w_s - w then
                 o.held[r.device_id] = (r, raw, admitted, norm, self._delivery)
                 return self._settle(now)
             self.strategy.accumulate(self.state, o.acc, plan, admitted)

@@ -187,6 +187,32 @@ def test_fedavg_sums_many_reports_to_float64_precision_through_its_float32_buffe
     assert max(np.abs(f32[k] / total - ref[k] / total).max() for k in ref) > 1e-8
 
 
+def test_plan_difference_once_per_report_never_shared_and_dropped_while_a_report_waits():
+    """w_s - w is computed once per (report, plan) for admission and the sum, never aliased with another report's
+    (a later report does not overwrite it), recomputed against another plan, and forgotten by drop_differences
+    (reproducible mode holds reports until their turn)."""
+    from coordinator.strategies.base import drop_differences, plan_difference
+    rng = np.random.default_rng(5)
+    s = FedAvg(spec=SPEC)
+    st = s.init(0)
+    dp = s.plan(st, "d", {})
+    k = "fc0.weight"
+    sent = [{n: (v + rng.normal(0, 0.1, v.shape)).astype(np.float32) for n, v in dp.weights.items()} for _ in range(2)]
+    r1, r2 = dense("d1", 3, sent[0]), dense("d2", 4, sent[1])
+    d1 = plan_difference(dp, r1, k)
+    assert plan_difference(dp, r1, k) is d1
+    d2 = plan_difference(dp, r2, k)
+    assert not np.shares_memory(d1, d2)
+    np.testing.assert_array_equal(d1, sent[0][k] - dp.weights[k])  # still r1's after r2's was computed
+    np.testing.assert_array_equal(d2, sent[1][k] - dp.weights[k])
+    other = dataclasses.replace(dp, weights={n: v + np.float32(1) for n, v in dp.weights.items()})
+    np.testing.assert_array_equal(plan_difference(other, r1, k), sent[0][k] - other.weights[k])
+    drop_differences(r1)
+    assert "_differences" not in r1.__dict__
+    again = plan_difference(dp, r1, k)
+    assert again is not d1 and np.array_equal(again, d1)
+
+
 def test_fedavg_snapshot_restores_the_sums_exactly_and_refuses_another_models():
     """Durable sums: a snapshot taken mid-buffer (reports pending in float32) restores to the same float64 sums,
     sample total and count, bit for bit; a snapshot of another model, or cut short, is refused."""

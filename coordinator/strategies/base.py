@@ -121,6 +121,12 @@ def plan_difference(plan: DevicePlan, report: Report, name: str) -> np.ndarray |
 _NOT_YET = object()
 
 
+def drop_differences(report: Report) -> None:
+    """Forget the differences :func:`plan_difference` kept on a report that will wait (reproducible mode holds
+    reports until their turn): a held report should not keep a second copy of its values."""
+    report.__dict__.pop("_differences", None)
+
+
 def upload_spec(dtype: str, *, dtype_1d: str | None = None, delta: bool | None = None, sample: str | None = None,
                 keep: float = 1.0, p_min: float = 0.0) -> dict[str, Any]:
     """What a device sends back (edge.algorithms.driver.encode_update). Anything but float32 travels as
