@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -238,6 +239,10 @@ def test_fedavg_snapshot_restores_the_sums_exactly_and_refuses_another_models():
         s.restore_snapshot(st, blob[:-8], {})
     with pytest.raises(ValueError, match="not a fedge sums snapshot"):
         s.restore_snapshot(st, b"PK" + blob[2:], {})
+    m = len(F.SUMS_MAGIC)
+    for head in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"tensors": 3})):  # garbage, not a map, wrong
+        with pytest.raises(ValueError, match="snapshot"):
+            s.restore_snapshot(st, F.SUMS_MAGIC + len(head).to_bytes(4, "little") + head + blob[m + 4:], {})
 
 
 def test_fedprox_sends_mu_and_names_its_objective():

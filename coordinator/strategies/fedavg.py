@@ -129,10 +129,14 @@ def unpack_sums(blob: bytes, acc: Accumulator) -> None:
     if blob[:m] != SUMS_MAGIC or len(blob) < m + 4:
         raise ValueError("snapshot: not a fedge sums snapshot")
     hl = int.from_bytes(blob[m:m + 4], "little")
-    head = msgpack.unpackb(blob[m + 4:m + 4 + hl], raw=False)
+    try:
+        head = msgpack.unpackb(blob[m + 4:m + 4 + hl], raw=False)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types on garbage
+        raise ValueError(f"snapshot: unreadable header ({type(e).__name__})") from None
     want = [[k, list(v.shape)] for k, v in acc.sums.items()]
-    if not isinstance(head, dict) or head.get("tensors") != want:
-        raise ValueError(f"snapshot: tensors {head.get('tensors')!r:.200}, the model has {want!r:.200}")
+    got = head.get("tensors") if isinstance(head, dict) else head
+    if got != want or not isinstance(head.get("n"), float) or not isinstance(head.get("count"), int):
+        raise ValueError(f"snapshot: tensors {got!r:.200}, the model has {want!r:.200}")
     data = np.frombuffer(blob, "<f8", offset=m + 4 + hl)
     if data.size != sum(v.size for v in acc.sums.values()):
         raise ValueError(f"snapshot: {data.size} values, the model has {sum(v.size for v in acc.sums.values())}")

@@ -418,7 +418,7 @@ _FLOAT_CODES = frozenset(k for k, v in DTYPES.items() if np.dtype(v).kind == "f"
 def unpack_update(obj: Any, what: str, *, finite: bool = True) -> TensorUpdate:
     """``finite=False`` leaves the finiteness of the values to the caller (the coordinator's admission does
     it in the same pass as the update's norm)."""
-    if len(obj) == 2 and not finite and type(obj) is dict:  # the common report tensor: dense, plain dtype
+    if type(obj) is dict and len(obj) == 2 and not finite:  # the common report tensor: dense, plain dtype
         t = _dense_update(obj)  # (every check below, inline)
         if t is not None:
             return t
