@@ -418,11 +418,13 @@ _FLOAT_CODES = frozenset(k for k, v in DTYPES.items() if np.dtype(v).kind == "f"
 def unpack_update(obj: Any, what: str, *, finite: bool = True) -> TensorUpdate:
     """``finite=False`` leaves the finiteness of the values to the caller (the coordinator's admission does
     it in the same pass as the update's norm)."""
-    if type(obj) is dict and len(obj) == 2 and not finite:  # the common report tensor: dense, plain dtype
-        t = _dense_update(obj)  # (every check below, inline)
-        if t is not None:
-            return t
-    return _unpack_update(obj, what, finite)
+    t = _common_update(obj, finite)
+    return t if t is not None else _unpack_update(obj, what, finite)
+
+
+def _common_update(obj: Any, finite: bool) -> TensorUpdate | None:
+    """The common report tensor (dense, plain dtype, every check of the general path inline), or None."""
+    return _dense_update(obj) if not finite and type(obj) is dict and len(obj) == 2 else None
 
 
 def _unpack_update(obj: Any, what: str, finite: bool) -> TensorUpdate:
@@ -734,7 +736,7 @@ def _dec_report(d: dict, w: str, finite: bool = True) -> Report:
         if not isinstance(k, str) or not k or len(k) > MAX_STR:
             raise WireError(f"{w}: bad tensor name {_short(k)}")
         # the common tensor first, before a name for error messages is built (ingest decodes every report)
-        t = _dense_update(v) if not finite and type(v) is dict and len(v) == 2 else None
+        t = _common_update(v, finite)
         tensors[k] = t if t is not None else _unpack_update(v, f"{w}.tensors[{_short(k)}]", finite)
     return Report(_id(d, "task_id", w), _id(d, "device_id", w), n, _scalars(d.get("metrics"), f"{w}.metrics"),
                   tensors, _arrays(d.get("extras", {}), f"{w}.extras"))
