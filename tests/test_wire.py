@@ -161,6 +161,22 @@ def test_array_shape_and_bytes_must_agree():
         wire.unpack_array(rec, "x")
 
 
+@pytest.mark.parametrize("code", ["f4", "f8", "u1", "q8"])
+@pytest.mark.parametrize("shape", [[0, 2**31 - 1, 2**31 - 1], [2**31 - 1, 0, 2**31 - 1, 1], [2**21, 0, 2**20]])
+def test_empty_shape_too_big_for_numpy_is_refused_as_bad_shape(code, shape):
+    """A zero dimension does not make the others harmless: numpy sizes an array from its non-zero dims, so
+    reshape would raise ValueError (found by the hypothesis codec test, CI 2026-11-23)."""
+    rec = {"d": code, "s": shape, "b": b""}
+    with pytest.raises(WireError, match="bad shape"):
+        wire.unpack_array(rec, "x")
+    with pytest.raises(WireError, match="bad shape"):  # the report tensor's fast path and its general path
+        wire.unpack_update({"s": shape, "x": rec}, "t", finite=False)
+    with pytest.raises(WireError, match="bad shape"):
+        wire.unpack_update({"s": shape, "x": rec}, "t")
+    ok = [2**20, 0, 2**20]  # exactly MAX_ELEMENTS: still a shape
+    assert wire.unpack_array({"d": "f4", "s": ok, "b": b""}, "x").shape == tuple(ok)
+
+
 def test_oversized_message_is_refused_before_parsing():
     big = wire.encode(_report(tensors={"w": TensorUpdate((1000, 10), np.ones((1000, 10), np.float32))}))
     with pytest.raises(WireError, match="exceeds"):

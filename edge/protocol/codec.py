@@ -106,7 +106,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from .wire import WireError
+from .wire import MAX_ELEMENTS, WireError
 
 log = logging.getLogger(__name__)
 
@@ -641,7 +641,8 @@ def decode_values(data: bytes, kind: str, shape: tuple[int, ...]) -> np.ndarray:
         raise CodecError(f"{kind} values: not bytes")
     if kind not in VALUE_KINDS:
         raise CodecError(f"unknown value kind {str(kind)[:40]!r}")
-    if not isinstance(shape, tuple) or not all(type(d) is int and 0 <= d <= MAX_ROWS for d in shape):
+    if (not isinstance(shape, tuple) or not all(type(d) is int and 0 <= d <= MAX_ROWS for d in shape)
+            or math.prod(d or 1 for d in shape) > MAX_ELEMENTS):  # see MAX_ELEMENTS: zero dims do not exempt
         raise CodecError(f"{kind} values: bad shape")
     if kind == "q8r" and not shape:
         raise CodecError("q8r values: no rows")

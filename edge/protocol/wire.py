@@ -21,6 +21,11 @@ PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 4096
 MAX_NDIM = 8
+# At most this many elements in a declared shape, zero dimensions counted as 1: numpy computes an array's
+# byte size from its non-zero dimensions even when another is 0, so [0, 2^31-1, 2^31-1] would make
+# reshape raise ValueError instead of the wire refusing it. 2^40 elements is far beyond any model a
+# device trains and keeps that product times 8 bytes well inside int64.
+MAX_ELEMENTS = 2**40
 MAX_STR = 256
 # Ids end up in topic names: no '/', '+', '#' or whitespace.
 ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -104,13 +109,17 @@ def _pack_any(a: "np.ndarray | Coded") -> dict:
 
 
 def _good_shape(shape: Any, min_ndim: int) -> bool:
-    """A list of at most MAX_NDIM ints (not bools) in [0, 2^31)."""
+    """A list of at most MAX_NDIM ints (not bools) in [0, 2^31) whose non-zero product is at most
+    MAX_ELEMENTS."""
     if type(shape) is not list or not min_ndim <= len(shape) <= MAX_NDIM:
         return False
+    n = 1
     for d in shape:  # a loop, not all(...): every tensor of every report comes here
         if type(d) is not int or not 0 <= d < 2147483648:
             return False
-    return True
+        if d:
+            n *= d
+    return n <= MAX_ELEMENTS
 
 
 def unpack_array(obj: Any, what: str, *, finite: bool = True) -> np.ndarray:
