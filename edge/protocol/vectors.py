@@ -211,6 +211,10 @@ def build() -> list[Vector]:
         "unknown ack status")
     add("bad_pace_range", "pace", "pace after more than 86400 s",
         _raw({"v": 1, "k": "pace", "device_id": DEVICE, "after": 1e6}), "outside")
+    add("bad_shape_too_big", "report", "a tensor of shape [0, 2^31-1, 2^31-1]: no values, but its non-zero "
+        "dimensions multiply past 2^40", _report({"fc.weight": {"s": [0, 2**31 - 1, 2**31 - 1],
+                                                                "x": {"d": "f4", "s": [0, 2**31 - 1, 2**31 - 1],
+                                                                      "b": b""}}}), "bad shape")
     bad_idx = _masked(rows[[1, 4]], 10, [1, 4], "index16")
     bad_idx["i"] = np.array([4, 1], "<u2").tobytes()
     add("bad_index_order", "report", "an index list that is not increasing", _report({"fc.weight": bad_idx}),
