@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from coordinator import rounds as R
 from coordinator.daemon import ProgramCatalog
@@ -19,6 +21,12 @@ from edge.runtime.program import ProgramCache
 from edge.runtime.state import LocalState
 
 SPEC = mlp([64, 16, 10])
+
+# CI draws the same hypothesis cases every run (HYPOTHESIS_PROFILE=ci, set by .ci/run), so a red CI is the
+# change's doing; a plain `make test` draws new ones each run, which is how the hostile-input properties keep
+# finding what they were written for (a failure there is a bug: fix it, and pin the case with @example).
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def shard(i: int, n: int = 30, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
