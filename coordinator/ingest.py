@@ -45,6 +45,16 @@ log = logging.getLogger("fedge.ingest")
 GROUP = "fedge-ingest"
 NO_PLAN_MAX_BYTES = 256 * 1024  # a device with no plan has nothing large to send (as the round machine's limit)
 
+# The inbox carries report chunks of up to 256 KiB as blobs, and every one is written once by a worker, then
+# read and deleted by the leader. With SQLite's defaults (4 KiB pages; secure_delete on, as Debian builds it)
+# a chunk is a chain of 64 overflow pages and deleting it writes them all again as zeros: the leader spent
+# about a seventh of its CPU there (docs/operations.md). 64 KiB pages make it 4 pages, and FAST zeroes a
+# deleted row only where that costs no extra write, so a freed chunk's pages are not rewritten
+# (benchmarks/inbox.py measures both against the defaults). Deleted payloads then stay in free pages until
+# reused, as the report logs' unlinked files stay on disk: the coordinator's disk is trusted (docs/security.md).
+PAGE_SIZE = 65536
+SECURE_DELETE = "FAST"
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS inbox (id INTEGER PRIMARY KEY AUTOINCREMENT, topic TEXT NOT NULL, payload BLOB,
                                   reason TEXT, strike INTEGER, worker TEXT, ts REAL);
@@ -76,8 +86,10 @@ class Inbox:
     def __init__(self, path: str | Path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
+        self.db.execute(f"PRAGMA page_size={PAGE_SIZE}")  # before WAL: a new inbox only (a spool, so soon true)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute(f"PRAGMA secure_delete={SECURE_DELETE}")  # per connection
         self.db.executescript(SCHEMA)
         self._limits: dict[str, int] = {}
         self._limits_read = -1e18
