@@ -1,4 +1,4 @@
-"""The ingest inbox's cost per report chunk: ``python -m benchmarks.inbox``.
+"""The ingest inbox's cost per report chunk: ``python benchmarks/inbox.py``.
 
 Why: with ``[ingest] shared = true`` every report chunk (256 KiB by default) is written into the inbox by a
 worker, then read and deleted by the leader (coordinator/ingest.py). Profiled end to end, reading and deleting
@@ -16,14 +16,16 @@ import json
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from coordinator import ingest as I
-from edge.protocol import wire
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from .common import ROOT
+from coordinator import ingest as I  # noqa: E402
+from edge.protocol import wire  # noqa: E402
 
 log = logging.getLogger("benchmarks.inbox")
 
