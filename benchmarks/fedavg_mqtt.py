@@ -36,7 +36,11 @@ sklearn's own libgomp, intermittently made the evaluator ~100x slower (0.4-0.7 m
 **Ingest mode** (coordinator alone, no broker): 1,000 checked-in devices, one round selecting all of them;
 1,000 pre-encoded dense reports of a ~200k-parameter MLP (256-512-128-10) are fed through
 ``RoundMachine.receive`` and the returned ``Persist`` actions written to a real on-disk ``Store`` (SQLite WAL):
-decode, validate, store, aggregate, commit. Then 20 rounds of 200 reports back to back, recording RSS and
+decode, validate, store, aggregate, commit (``ingest_reports_per_cpu_s``, a fresh process's first pass). The same
+reports then go through a fresh round of the same process (``ingest_reports_per_cpu_s_warm``: the heap grown),
+and through a *bare loop* that only decodes them with msgpack and makes one dot and one saxpy per tensor
+(``bare_loop_reports_per_cpu_s``; ``core_over_bare_loop`` is the core's CPU over the loop's, in one run).
+Then 20 rounds of 200 reports back to back, recording RSS and
 the peak RSS (VmHWM, reset each round where the kernel allows) after every round, to show memory does not
 grow with rounds. Each ingest phase runs in a fresh process, so its peak is its own. Before them, opening a
 round of 100 and of 1,000 devices, each in its own process: the time until the round is open with its first
@@ -468,12 +472,11 @@ def bare_loop(payloads: list[tuple[str, bytes]], weights: dict[str, np.ndarray])
     return time.process_time() - c0
 
 
-def _warm_and_bare(fresh, machine_ref, payloads) -> dict[str, float]:
+def _warm_and_bare(fresh, payloads) -> dict[str, float]:
     """The same reports once more through a fresh round (the process's heap is grown by now: the first pass
     pays ~13 page faults per report for it, which a long-running daemon pays once), then the bare loop."""
     import resource
-    fresh()
-    machine, store = machine_ref()
+    machine, store = fresh()
     weights = machine.open.plans[next(iter(machine.open.plans))].weights  # the round's W, as admission reads it
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     c0 = time.process_time()
@@ -510,10 +513,12 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
     gc.collect()
 
     def fresh():
+        """A new machine and store with the round open (the same reports then go through again)."""
         nonlocal machine, store
         store.close()
         machine, store, _ = _ingest_setup(n, n, 1_000_000, store_path)
         _open(machine, store, reg, 1.0)
+        return machine, store
 
     # 1) clean timing
     bar = tqdm(total=n, desc="ingest reports", unit="report")
@@ -524,7 +529,7 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
     if res["committed"] != 1 or res["dropped"]:
         raise RuntimeError(f"ingest did not commit cleanly: {res}")
     db_mb = sum(p.stat().st_size for p in wd.glob("ingest.sqlite*") if p.is_file()) / 2**20
-    warm = _warm_and_bare(fresh, machine_ref=lambda: (machine, store), payloads=payloads)
+    warm = _warm_and_bare(fresh, payloads)
 
     # 2) stage split: the same reports through wrapped stages (wrapping costs microseconds per call)
     fresh()
