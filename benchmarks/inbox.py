@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -85,7 +86,6 @@ def main(argv: list[str] | None = None) -> dict:
         for i in range(a.trials):
             for config in (("fedge", "defaults") if i % 2 == 0 else ("defaults", "fedge")):
                 runs[config].append(trial(Path(tmp), config, a.batches, a.per_batch))
-    import sqlite3
     built = [r[0] for r in sqlite3.connect(":memory:").execute("PRAGMA compile_options")]
     res: dict = {"chunk_bytes": CHUNK, "trials": a.trials, "chunks_per_trial": a.batches * a.per_batch,
                  "report_chunks": REPORT_CHUNKS, "sqlite": sqlite3.sqlite_version,
