@@ -40,6 +40,9 @@ decode, validate, store, aggregate, commit (``ingest_reports_per_cpu_s``, a fres
 reports then go through a fresh round of the same process (``ingest_reports_per_cpu_s_warm``: the heap grown),
 and through a *bare loop* that only decodes them with msgpack and makes one dot and one saxpy per tensor
 (``bare_loop_reports_per_cpu_s``; ``core_over_bare_loop`` is the core's CPU over the loop's, in one run).
+These reports are plain (dense float32, exactly the plan's tensors), so the round machine admits and sums
+them on its fast path (``plain_path_share``); ``general_path_reports_per_cpu_s_warm`` is a warm pass with
+that path off, in the same run, which is what any other report costs.
 Then 20 rounds of 200 reports back to back, recording RSS and
 the peak RSS (VmHWM, reset each round where the kernel allows) after every round, to show memory does not
 grow with rounds. Each ingest phase runs in a fresh process, so its peak is its own. Before them, opening a
@@ -474,7 +477,8 @@ def bare_loop(payloads: list[tuple[str, bytes]], weights: dict[str, np.ndarray])
 
 def _warm_and_bare(fresh, payloads) -> dict[str, float]:
     """The same reports once more through a fresh round (the process's heap is grown by now: the first pass
-    pays ~13 page faults per report for it, which a long-running daemon pays once), then the bare loop."""
+    pays ~13 page faults per report for it, which a long-running daemon pays once), then through another with
+    the plain report's fast path off (``plain_path = False``: the general path's figure), then the bare loop."""
     import resource
     machine, store = fresh()
     weights = machine.open.plans[next(iter(machine.open.plans))].weights  # the round's W, as admission reads it
@@ -485,9 +489,18 @@ def _warm_and_bare(fresh, payloads) -> dict[str, float]:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     if res["committed"] != 1 or res["dropped"]:
         raise RuntimeError(f"ingest did not commit cleanly: {res}")
+    plain = machine.plain_reports
+    machine, store = fresh()
+    machine.cfg.plain_path = False  # every report through the general path (decode, admit, accumulate)
+    c0 = time.process_time()
+    res = _feed(machine, store, payloads, 2.0)
+    general = time.process_time() - c0
+    if res["committed"] != 1 or res["dropped"] or machine.plain_reports:
+        raise RuntimeError(f"ingest did not commit cleanly on the general path: {res}")
     bare = bare_loop(payloads, weights)
     n = len(payloads)
     return {"ingest_reports_per_cpu_s_warm": n / cpu, "page_faults_per_report_warm": faults / n,
+            "plain_path_share_warm": plain / n, "general_path_reports_per_cpu_s_warm": n / general,
             "bare_loop_reports_per_cpu_s": n / bare, "core_over_bare_loop": cpu / bare}
 
 
@@ -528,6 +541,7 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
     bar.close()
     if res["committed"] != 1 or res["dropped"]:
         raise RuntimeError(f"ingest did not commit cleanly: {res}")
+    plain_share = machine.plain_reports / n
     db_mb = sum(p.stat().st_size for p in wd.glob("ingest.sqlite*") if p.is_file()) / 2**20
     warm = _warm_and_bare(fresh, payloads)
 
@@ -544,22 +558,24 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
                 stages[name] += time.perf_counter() - t
         return w
 
-    orig_dec, orig_enc = wire.decode, wire.encode
-    wire.decode, wire.encode = timed("decode", orig_dec), timed("encode", orig_enc)
-    machine.strategy.accumulate = timed("accumulate", machine.strategy.accumulate)
-    machine.strategy.finish = timed("finish", machine.strategy.finish)
+    import coordinator.rounds as rounds_mod
+    # (module, attribute, stage): both paths, the plain report's (rounds._take_plain) and the general one
+    wrapped = [(wire, "unpack", "decode"), (wire, "plain_report", "decode"), (wire, "decode_map", "decode"),
+               (wire, "encode", "encode"), (rounds_mod, "admit", "admit"), (rounds_mod, "admit_plain", "admit")]
+    originals = [(mod, name, getattr(mod, name)) for mod, name, _ in wrapped]
+    for mod, name, stage in wrapped:
+        setattr(mod, name, timed(stage, getattr(mod, name)))
+    for name, stage in (("accumulate", "accumulate"), ("accumulate_plain", "accumulate"), ("finish", "finish")):
+        setattr(machine.strategy, name, timed(stage, getattr(machine.strategy, name)))
     orig_apply = store.apply_batch
     store.apply_batch = timed("store", orig_apply)
-    import coordinator.rounds as rounds_mod
-    orig_admit = rounds_mod.admit
-    rounds_mod.admit = timed("admit", orig_admit)
     try:
         t0 = time.perf_counter()
         _feed(machine, store, payloads, 2.0)
         split_wall = time.perf_counter() - t0
     finally:
-        wire.decode, wire.encode = orig_dec, orig_enc
-        rounds_mod.admit = orig_admit
+        for mod, name, fn in originals:
+            setattr(mod, name, fn)
     stages["other"] = split_wall - sum(stages.values())
 
     # 3) cProfile, if asked or below target
@@ -585,7 +601,7 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
             "plan_window": machine.cfg.plan_window, "rss_before_open_mb": base_rss,
             "peak_rss_while_opening_mb": open_peak, "disk_fsync_MB_per_s": disk_write_speed(wd),
             "wall_s": wall, "cpu_s": cpu, "ingest_reports_per_s": rate, "ingest_reports_per_cpu_s": n / cpu,
-            **warm,
+            "plain_path_share": plain_share, **warm,
             "ingest_MB_per_s": report_bytes / wall / 1e6, "sqlite_files_mb": db_mb,
             "stages_s_per_report": {k: v / n for k, v in stages.items()},
             "peak_rss_mb": peak_rss_mb(), "payload_buffer_mb": report_bytes / 2**20,
@@ -690,8 +706,9 @@ def summary_text(res: dict) -> str:
         st = t["stages_s_per_report"]
         lines += [f"ingest: {t['reports']} reports of {t['params']:,} params ({t['report_bytes_mean'] / 1e6:.2f} MB "
                   f"each): {t['ingest_reports_per_s']:.0f} reports/s wall, {t['ingest_reports_per_cpu_s']:.0f}/cpu-s "
-                  f"(target >= 2000)",
-                  f"  warm (a second pass, heap grown): {t['ingest_reports_per_cpu_s_warm']:.0f}/cpu-s; the bare "
+                  f"(target >= 2000); {100 * t['plain_path_share']:.0f}% took the plain report's fast path",
+                  f"  warm (a second pass, heap grown): {t['ingest_reports_per_cpu_s_warm']:.0f}/cpu-s; the general "
+                  f"path alone (plain_path off): {t['general_path_reports_per_cpu_s_warm']:.0f}/cpu-s; the bare "
                   f"loop (msgpack decode + one dot + one saxpy per tensor, nothing else) on the same reports: "
                   f"{t['bare_loop_reports_per_cpu_s']:.0f}/cpu-s, the core costs {t['core_over_bare_loop']:.2f}x it",
                   "  per report (ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in st.items()),

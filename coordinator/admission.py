@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from edge.algorithms.driver import value_format
-from edge.protocol.wire import DTYPES, Report, TensorUpdate
+from edge.protocol import wire
+from edge.protocol.wire import DTYPES, PlainReport, Report, TensorUpdate
 
 from .strategies.base import DevicePlan, ReportRejected, plan_difference
 
@@ -277,3 +278,41 @@ def admit(plan: DevicePlan, report: Report, rules: AdmissionRules, history: dict
                                  f"{rules.refuse_factor:g}x")
         report = clip_report(plan, report, bound / norm)
     return report, norm
+
+
+# ---------------------------------------------------------------- the plain report (ingest's fast path)
+
+def plain_expected(plan: DevicePlan) -> dict[str, tuple[list[int], int]] | None:
+    """Name -> (shape, value bytes) of a plain report of ``plan`` (:func:`edge.protocol.wire.plain_report`: dense
+    float32 weights of every returned tensor), or None when the plan asks for anything else (differences,
+    sampled rows, extras, a gradient, another value format): such reports take the general path."""
+    up, shapes = plan.upload, plan.returned()
+    ok = (plan.update == "weights" and not up.get("delta") and not up.get("sample") and not plan.extras
+          and all(value_format(up, len(s)) == "f4" and plan.weights[k].dtype == np.float32
+                  and plan.weights[k].flags.c_contiguous for k, s in shapes.items())
+          and wire.plain_shapes_ok(shapes))
+    return {k: (list(s), 4 * math.prod(s)) for k, s in shapes.items()} if ok else None
+
+
+def admit_plain(plan: DevicePlan, report: PlainReport, rules: AdmissionRules,
+                history: dict[str, Any]) -> tuple[dict[str, np.ndarray], float] | None:
+    """:func:`admit` for a plain report it would accept as it is: the differences w_s - W (float32, flat) and the
+    update's norm. None when it would do anything else (refuse a value out of range or not finite, clip or
+    refuse a norm above the bound): the caller then takes the general path, which decides and says why.
+    :func:`check_structure` has nothing to check that :func:`plain_expected` and the decoder have not, and the
+    arithmetic is :func:`update_norm`'s (the same BLAS dot over the same values, summed in the same order), so
+    the norm is the same to the bit (tests/test_plain_ingest.py)."""
+    total = 0.0
+    diffs = {}
+    for k, v in report.values.items():
+        d = np.subtract(v, plan.weights[k].reshape(-1))
+        sq = _sq(d)
+        if not math.isfinite(sq) or _max_abs(plan, k) + math.sqrt(sq) > rules.max_abs_value:
+            return None
+        total += sq
+        diffs[k] = d
+    norm = math.sqrt(total)
+    bound = rules.bound(history, plan, report.n_samples)
+    if bound is not None and norm > bound:
+        return None
+    return diffs, norm

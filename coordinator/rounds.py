@@ -36,9 +36,9 @@ import numpy as np
 from edge.protocol import wire
 from edge.protocol.machine import IllegalEvent, Move, Publish, Table, lookup  # noqa: F401 (IllegalEvent, for callers)
 from edge.runtime.program import Program
-from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, Report, Status, WireError
+from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, PlainReport, Report, Status, WireError
 
-from .admission import AdmissionRules, admit, local_steps, next_history
+from .admission import AdmissionRules, admit, admit_plain, local_steps, next_history, plain_expected
 from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry
@@ -136,6 +136,10 @@ class RoundConfig:
     # (RoundMachine.checkpoint) with a small record per report, instead of by its payload. Ingest then writes
     # megabytes per batch, not per report. False: every payload is written (and replayed after a restart).
     durable_sums: bool = True
+    # The plain report (RoundMachine._take_plain): a dense float32 report of exactly its plan's tensors is
+    # admitted and summed in one pass, with the same result as the general path, which takes every other
+    # report. False: every report goes through the general path (a comparison, or a suspicion).
+    plain_path: bool = True
 
     def __post_init__(self) -> None:
         if not wire.ID_RE.match(self.fleet) or not all(c not in self.fleet for c in "+#/"):
@@ -199,6 +203,7 @@ class OpenRound:
     up: dict[str, int] = field(default_factory=dict)  # bytes of each accepted report's first delivery
     unsent: deque = field(default_factory=deque)  # selected, free, plan not sent yet (next_plans sends them)
     encoder: wire.PlanEncoder = field(default_factory=wire.PlanEncoder)  # packs shared weights once a round
+    plain: dict[int, tuple] = field(default_factory=dict)  # id(plan) -> (plan, its plain report shapes or None)
 
 
 def task_id(run_id: str, round_: int, attempt: int) -> str:
@@ -241,6 +246,7 @@ class RoundMachine:
                                        max_total_bytes=4 * cfg.max_message_bytes)
         self.finished = state.round >= cfg.rounds
         self.dropped_messages = 0
+        self.plain_reports = 0  # reports accepted by the fast path (_take_plain), of all accepted
         self.last_metrics: dict[str, float] = {}
         self._delivery = 0  # bytes of the report being handled (its first complete delivery)
         self._unsaved: str | None = None  # the task whose sums changed since the last checkpoint
@@ -329,9 +335,13 @@ class RoundMachine:
             limit = max_report_bytes(o.plans[ident]) if selected else self._recent_limit(ident)
         raw = payload
         try:
+            d = wire.unpack(payload, max_bytes=limit or CHECKIN_MAX_BYTES)
+            if selected and kind == "report":
+                taken = self._take_plain(ident, d, raw, now)
+                if taken is not None:
+                    return taken
             # report values are checked for NaN and inf by admission, in the pass that takes the update's norm
-            msg = wire.decode(payload, max_bytes=limit or CHECKIN_MAX_BYTES, expect=(kind, "chunk"),
-                              finite_updates=False)
+            msg = wire.decode_map(d, expect=(kind, "chunk"), finite_updates=False)
             if isinstance(msg, Chunk):
                 if kind != "report" or not limit:
                     return self._reject(ident, kind, "a chunked message from a device with no plan", now,
@@ -340,7 +350,12 @@ class RoundMachine:
                 if raw is None:
                     return []
                 delivery = self._reasm.last_wire_bytes  # all the chunks of this message, each once
-                msg = wire.decode(raw, max_bytes=limit, expect=(kind,), finite_updates=False)
+                d = wire.unpack(raw, max_bytes=limit)
+                if selected:  # (a chunk is a report's: checked above)
+                    taken = self._take_plain(ident, d, raw, now)
+                    if taken is not None:
+                        return taken
+                msg = wire.decode_map(d, expect=(kind,), finite_updates=False)
             else:
                 delivery = len(payload)
             if msg.device_id != ident:
@@ -434,7 +449,7 @@ class RoundMachine:
             self._reasm.drop_sender(device_id)
             log.info("round %d: %s dropped out (%s)", o.round, device_id, why)
 
-    def _ack(self, r: Report, status: str, reason: str = "") -> list[Action]:
+    def _ack(self, r: Report | PlainReport, status: str, reason: str = "") -> list[Action]:
         return self._publish("ack", r.device_id, Ack(r.task_id, r.device_id, status, reason[:200]), f"a-{r.task_id}")
 
     def _on_stray_report(self, r: Report, raw: bytes, now: float) -> list[Action]:
@@ -474,6 +489,10 @@ class RoundMachine:
             self._mark_gone(r.device_id, "rejected")
             return (self._reject(r.device_id, "report", f"{r.task_id}: {e}", now)
                     + self._ack(r, "rejected", str(e)) + self._settle(now))
+        return self._accepted(o, r, norm, raw, now)
+
+    def _accepted(self, o: OpenRound, r: Report | PlainReport, norm: float, raw: bytes, now: float) -> list[Action]:
+        """A report summed: its record, its ack; the round may close."""
         o.accepted.add(r.device_id)
         o.finished.add(r.device_id)
         o.norms[r.device_id] = norm
@@ -484,6 +503,37 @@ class RoundMachine:
                                                 "norm": norm, "nbytes": len(raw), "payload": None if sums else raw})]
         out += self._ack(r, "accepted")
         return out + self._maybe_close(now)
+
+    def _take_plain(self, ident: str, d: Any, raw: bytes, now: float) -> list[Action] | None:
+        """Ingest's fast path: a plain report (dense float32 weights of exactly the plan's tensors, the common
+        report) that :meth:`_on_report` would accept as it is, summed in one pass with no object per tensor
+        (wire.plain_report, admission.admit_plain, the strategy's ``accumulate_plain``). None for anything
+        else, before anything has changed: the general path then decodes the same map and decides. It only
+        ever accepts, and only what the general path accepts, with the same norm, sums, records and ack
+        (tests/test_plain_ingest.py drives both paths on the same reports)."""
+        o = self.open
+        take = getattr(self.strategy, "accumulate_plain", None)
+        if (take is None or not self.cfg.plain_path or self.cfg.reproducible or ident in o.finished
+                or ident in o.held or TRANSITIONS[(self.phase, "report")].handler != "_on_report"):
+            return None
+        plan = o.plans[ident]
+        known = o.plain.get(id(plan))  # once per plan (a round's devices mostly share one); held, so no id reuse
+        if known is None:
+            known = o.plain[id(plan)] = (plan, plain_expected(plan) if self.strategy.takes_plain(self.state, plan)
+                                         else None)
+        expected = known[1]
+        if expected is None:
+            return None
+        r = wire.plain_report(d, expected)
+        if (r is None or r.device_id != ident or r.task_id != o.task_id
+                or r.n_samples != self.registry.devices[ident].n_samples):
+            return None
+        admitted = admit_plain(plan, r, self.cfg.admission, self.history)
+        if admitted is None:
+            return None
+        take(self.state, o.acc, plan, ident, r.n_samples, admitted[0])
+        self.plain_reports += 1
+        return self._accepted(o, r, admitted[1], raw, now)
 
     def tick(self, now: float) -> list[Action]:
         move = self._move("tick")

@@ -255,6 +255,29 @@ class FedAvg(LinkOptions):  # the link options (-S upload_*, down_*) come from L
         acc.total_n += n
         acc.count += 1
 
+    def takes_plain(self, state: ServerState, plan: DevicePlan) -> bool:
+        """Whether :meth:`accumulate_plain` may sum this plan's plain reports (the round machine's fast path,
+        coordinator/admission.py's ``admit_plain``): the mean, each returned tensor the round's own whole float32
+        array, sent back as weights. A subclass that changes ``accumulate`` or ``check`` gets the general path."""
+        if (self.aggregate != "mean" or type(self).accumulate is not FedAvg.accumulate
+                or type(self).check is not FedAvg.check or plan.upload.get("delta")
+                or plan.returned().keys() != plan.weights.keys()):
+            return False
+        common, idx = self._round(state)
+        return all(w is common.weights.get(k) and idx.whole(k) and w.dtype == np.float32
+                   for k, w in plan.weights.items())
+
+    def accumulate_plain(self, state: ServerState, acc: Accumulator, plan: DevicePlan, device_id: str, n: int,
+                         differences: dict[str, np.ndarray]) -> None:
+        """:meth:`accumulate` of a plain report of a plan :meth:`takes_plain` accepted, given w_s - W per tensor
+        (flat float32): the same sums, from the same differences."""
+        self._down.confirm(device_id, plan)
+        nf = float(n)
+        for k, d in differences.items():
+            acc.add_update(k, plan.weights[k], d, nf)
+        acc.total_n += nf
+        acc.count += 1
+
     # Durable sums (coordinator/rounds.py): the round's accumulator is written once per batch of reports
     # instead of every report. Robust aggregation keeps every report, so it stores payloads as before.
     def can_snapshot(self) -> bool:

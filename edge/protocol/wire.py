@@ -858,15 +858,25 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: t
     """Parse and validate one message, or raise :class:`WireError` saying why it must be dropped.
     ``finite_updates=False``: a report's update values are not scanned for NaN and inf here, because the
     receiver does it in a pass it makes anyway (coordinator/admission.py); every other float still is."""
+    return decode_map(unpack(data, max_bytes=max_bytes), expect=expect, finite_updates=finite_updates)
+
+
+def unpack(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+    """The first half of :func:`decode`: the size limit and msgpack, nothing validated yet. A receiver with a
+    fast path for one common message (coordinator: :func:`plain_report`) unpacks once and hands the result to
+    that path, then to :func:`decode_map` if the fast path declines."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError("payload is not bytes")
     if len(data) > max_bytes:
         raise TooLarge(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
-        d = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True,
-                            use_list=True)
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise WireError(f"malformed msgpack: {type(e).__name__}: {e}") from None
+
+
+def decode_map(d: Any, *, expect: tuple[str, ...] | None = None, finite_updates: bool = True) -> Message:
+    """The second half of :func:`decode`: validate what :func:`unpack` returned and build the message."""
     if not isinstance(d, dict):
         raise WireError("message is not a map")
     # Types before values: a field of the wrong type (a map where a string belongs) must not reach a
@@ -887,6 +897,75 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: t
         raise
     except Exception as e:  # noqa: BLE001 - a decoder bug on hostile input is still a dropped message
         raise WireError(f"{kind}: {type(e).__name__}: {_short(str(e))}") from None
+
+
+@dataclass
+class PlainReport:
+    """A report in its most common form, as :func:`plain_report` reads it: every tensor dense float32 values,
+    flat, in the order the report sent them; no extras."""
+
+    task_id: str
+    device_id: str
+    n_samples: int
+    metrics: dict[str, int | float | str | bool]
+    values: dict[str, np.ndarray]
+
+
+_REPORT_FIELDS = frozenset({"v", "k", "task_id", "device_id", "n", "metrics", "tensors", "extras"})
+_PLAIN_ENTRY = frozenset({"s", "x"})
+
+
+def plain_report(d: Any, expected: Mapping[str, tuple[list[int], int]]) -> PlainReport | None:
+    """The report :func:`unpack` returned, if it is plain for ``expected`` (name -> shape as a list, value
+    bytes, as :func:`plain_shapes_ok` allows): exactly those tensors, each ``{"s": shape, "x": float32 array of
+    that shape}``, no extras, and every check :func:`decode_map` makes passed. Else None, and the caller decodes
+    the map the general way (which accepts more, and says why it refuses the rest). What it returns is what
+    :func:`decode_map` builds from the same map (tests/test_plain_ingest.py checks the two on changed maps).
+    One function and no object per tensor, because ingest reads every report."""
+    if type(d) is not dict or not d.keys() <= _REPORT_FIELDS or not _F4_NATIVE:
+        return None
+    if type(d.get("v")) is not int or d["v"] != PROTOCOL_VERSION or d.get("k") != "report":
+        return None
+    task, dev, n, tens = d.get("task_id"), d.get("device_id"), d.get("n"), d.get("tensors")
+    if type(task) is not str or type(dev) is not str or not ID_RE.match(task) or not ID_RE.match(dev):
+        return None
+    if type(n) is not int or not 0 < n < 2**63 or type(tens) is not dict or len(tens) > MAX_TENSORS \
+            or tens.keys() != expected.keys():
+        return None
+    extras = d.get("extras", _NO_EXTRAS)
+    if type(extras) is not dict or extras:
+        return None
+    values = {}
+    for k, rec in tens.items():
+        shape, nbytes = expected[k]
+        if type(rec) is not dict or rec.keys() != _PLAIN_ENTRY:
+            return None
+        s, x = rec["s"], rec["x"]
+        if type(s) is not list or s != shape or type(x) is not dict or x.keys() != _ARRAY_FIELDS:
+            return None
+        for dim in s:  # == lets True pass for 1 and 4.0 for 4; the general path refuses both
+            if type(dim) is not int:
+                return None
+        b = x["b"]
+        if x["d"] != "f4" or x["s"] != s or type(b) is not bytes or len(b) != nbytes:
+            return None
+        values[k] = np.frombuffer(b, np.float32)
+    try:
+        metrics = _scalars(d.get("metrics"), "report.metrics")
+    except WireError:
+        return None
+    return PlainReport(task, dev, n, metrics, values)
+
+
+_NO_EXTRAS: dict = {}
+_F4_NATIVE = _NATIVE["f4"]
+
+
+def plain_shapes_ok(shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether :func:`plain_report` may be given these tensors: names and shapes the general decoder accepts in
+    a report (it would refuse, say, a tensor of no dimensions, and the fast path must never accept more)."""
+    return len(shapes) <= MAX_TENSORS and all(
+        type(k) is str and 0 < len(k) <= MAX_STR and _good_shape(list(s), 1) for k, s in shapes.items())
 
 
 def _short(v: Any, n: int = 60) -> str:
