@@ -217,6 +217,7 @@ def test_chunked_plans_and_reports_roundtrip(tmp_path):
     assert len(bus.committed) == 2
     chunks = [wire.decode(p) for t, p in bus.log if "/report/" in t]
     assert all(isinstance(c, wire.Chunk) for c in chunks)
+    assert bus.m.plain_reports == 6  # reassembled, then the plain report's fast path
 
 
 def test_fedavg_matches_numpy_reference(tmp_path):
@@ -240,6 +241,7 @@ def test_fedavg_matches_numpy_reference(tmp_path):
     for k, v in bus.m.state.weights.items():
         np.testing.assert_allclose(v, acc[k] / total, atol=1e-6, rtol=0)
         assert np.abs(v - w0[k]).max() > 1e-4  # training moved the weights
+    assert bus.m.plain_reports == 5  # the agents' reports are plain: this checked the fast path's sum
 
 
 def _two_reports(s, st):
