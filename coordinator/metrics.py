@@ -320,6 +320,10 @@ class FleetMetrics(Observer):
                     "abandonment.", [({"outcome": k}, h) for k, h in sorted(s["attempt_hist"].items())])
         t.counter("fedge_reports_accepted_total", "Reports accepted (written to durable state).",
                   [({}, s["reports_accepted"])])
+        machine = getattr(self.coord, "machine", None)
+        t.counter("fedge_reports_plain_path_total", "Reports accepted on the plain report's fast path (dense float32 "
+                  "weights of exactly the plan's tensors); the others took the general path.",
+                  [({}, getattr(machine, "plain_reports", 0))])
         t.counter("fedge_report_acks_total", "Answers to reports, by status (accepted, duplicate, late, rejected).",
                   [({"status": k}, v) for k, v in s["acks"].items()])
         t.counter("fedge_rejections_total", "Messages rejected, by message kind and reason kind.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -115,6 +116,9 @@ def test_exposition_parses_with_the_prometheus_parser_and_counts_what_the_daemon
     assert s[("fedge_round", ())] == 2 and s[("fedge_rounds_target", ())] == 5
     assert s[("fedge_accuracy", ())] == 0.7
     assert s[("fedge_reports_accepted_total", ())] == 3
+    assert s[("fedge_reports_plain_path_total", ())] == 0  # no coordinator attached: none counted
+    m.coord = types.SimpleNamespace(machine=types.SimpleNamespace(plain_reports=2))  # read off the machine
+    assert samples(m.exposition())[("fedge_reports_plain_path_total", ())] == 2
     assert s[("fedge_report_acks_total", (("status", "accepted"),))] == 3
     assert s[("fedge_report_acks_total", (("status", "late"),))] == 1
     assert s[("fedge_report_acks_total", (("status", "rejected"),))] == 1
