@@ -37,7 +37,7 @@ sklearn's own libgomp, intermittently made the evaluator ~100x slower (0.4-0.7 m
 1,000 pre-encoded dense reports of a ~200k-parameter MLP (256-512-128-10) are fed through
 ``RoundMachine.receive`` and the returned ``Persist`` actions written to a real on-disk ``Store`` (SQLite WAL):
 decode, validate, store, aggregate, commit (``ingest_reports_per_cpu_s``, a fresh process's first pass). The same
-reports then go through a fresh round of the same process (``ingest_reports_per_cpu_s_warm``: the heap grown),
+reports then go through a fresh round of the same process (``ingest_reports_per_cpu_s_warm``: malloc tuned by the first round),
 and through a *bare loop* that only decodes them with msgpack and makes one dot and one saxpy per tensor
 (``bare_loop_reports_per_cpu_s``; ``core_over_bare_loop`` is the core's CPU over the loop's, in one run).
 These reports are plain (dense float32, exactly the plan's tensors), so the round machine admits and sums
@@ -476,8 +476,9 @@ def bare_loop(payloads: list[tuple[str, bytes]], weights: dict[str, np.ndarray])
 
 
 def _warm_and_bare(fresh, payloads) -> dict[str, float]:
-    """The same reports once more through a fresh round (the process's heap is grown by now: the first pass
-    pays ~13 page faults per report for it, which a long-running daemon pays once), then through another with
+    """The same reports once more through a fresh round (the first pass pays ~13 page faults per report: each
+    batch's 1.6 MB snapshot of the sums is mapped and unmapped until the round's commit raises glibc's mmap
+    threshold, which a long-running daemon pays in its first round only), then through another with
     the plain report's fast path off (``plain_path = False``: the general path's figure), then the bare loop."""
     import resource
     machine, store = fresh()
@@ -707,7 +708,7 @@ def summary_text(res: dict) -> str:
         lines += [f"ingest: {t['reports']} reports of {t['params']:,} params ({t['report_bytes_mean'] / 1e6:.2f} MB "
                   f"each): {t['ingest_reports_per_s']:.0f} reports/s wall, {t['ingest_reports_per_cpu_s']:.0f}/cpu-s "
                   f"(target >= 2000); {100 * t['plain_path_share']:.0f}% took the plain report's fast path",
-                  f"  warm (a second pass, heap grown): {t['ingest_reports_per_cpu_s_warm']:.0f}/cpu-s; the general "
+                  f"  warm (a second pass, after a commit): {t['ingest_reports_per_cpu_s_warm']:.0f}/cpu-s; the general "
                   f"path alone (plain_path off): {t['general_path_reports_per_cpu_s_warm']:.0f}/cpu-s; the bare "
                   f"loop (msgpack decode + one dot + one saxpy per tensor, nothing else) on the same reports: "
                   f"{t['bare_loop_reports_per_cpu_s']:.0f}/cpu-s, the core costs {t['core_over_bare_loop']:.2f}x it",
