@@ -4,8 +4,13 @@ A round commits in one transaction (new state in, the round's reports out), so a
 SIGKILL restarts from the last committed round together with the open round's accepted reports.
 
 With durable sums (coordinator/rounds.py, RoundConfig.durable_sums) an accepted report is only a row (device,
-n, norm), and the round's partial sums are written once per batch (table ``sums``) in the same transaction as
-that batch's rows: a batch of reports costs one accumulator's bytes, whatever their number.
+n, norm), and the round's partial sums are written once per batch: a batch of reports costs one accumulator's
+bytes, whatever their number. The snapshot goes to one of two slot files beside the database
+(``<task>.sums0``, ``<task>.sums1``), always the one the table ``sums`` does not point at, and is flushed before
+the batch's transaction points the table at it (with its length), so a crash at any moment leaves the table
+pointing at a whole snapshot that matches the committed rows. Through SQLite the same 1.6 MB cost 4 to 5 ms of
+CPU a batch (WAL frames with their checksums, the checkpoint's second copy, the old blob's pages zeroed by
+Debian's secure_delete); a pwrite costs under 1 ms.
 
 Otherwise, report payloads (up to megabytes each) are appended to one log file per task beside the database, and
 the table holds only their place in it: a blob in SQLite is written twice (WAL, then checkpoint) and its
@@ -22,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import sqlite3
@@ -46,6 +52,9 @@ CREATE TABLE IF NOT EXISTS reports (task_id TEXT, device_id TEXT, n INTEGER, fil
 CREATE TABLE IF NOT EXISTS metrics (round INTEGER PRIMARY KEY, data TEXT);
 CREATE TABLE IF NOT EXISTS sums (task_id TEXT PRIMARY KEY, blob BLOB NOT NULL);
 """
+
+
+_OWN_FILE = re.compile(r"\.(log|sums[01])$")  # what a task's files beside the database end with
 
 
 class StateInUse(RuntimeError):
@@ -73,6 +82,7 @@ class Store:
         # WAL + NORMAL: durable across process crashes; FULL: across power cuts too
         self.db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         self._logs: dict[str, Any] = {}  # task id -> its open report log
+        self._slots: dict[str, int | None] = {}  # task id -> the sums slot its row points at (None: no row yet)
         self.db.executescript(SCHEMA)
         self._add_columns()
         self.keep_states = keep_states
@@ -98,7 +108,8 @@ class Store:
         """State files written before a column existed get it (with its default)."""
         for table, cols in (("devices", (("available", "INTEGER DEFAULT 1"), ("quarantined_until", "REAL DEFAULT 0"),
                                          ("quarantines", "INTEGER DEFAULT 0"))),
-                            ("reports", (("off", "INTEGER"), ("len", "INTEGER"), ("norm", "REAL")))):
+                            ("reports", (("off", "INTEGER"), ("len", "INTEGER"), ("norm", "REAL"))),
+                            ("sums", (("slot", "INTEGER"), ("len", "INTEGER")))):
             have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
             for col, decl in cols:
                 if col not in have:
@@ -118,11 +129,33 @@ class Store:
         """Report logs of tasks that are no longer open (a crash between commit and cleanup)."""
         open_tasks = {r[0] for r in self.db.execute("SELECT task_id FROM rounds WHERE status='open'")}
         for f in self.reports_dir.iterdir():
-            if f.name.removesuffix(".log") not in open_tasks:
+            if _OWN_FILE.sub("", f.name) not in open_tasks:
                 shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
 
     def _log_path(self, task_id: str) -> Path:
         return self.reports_dir / f"{task_id}.log"
+
+    def _sums_path(self, task_id: str, slot: int) -> Path:
+        return self.reports_dir / f"{task_id}.sums{slot}"
+
+    def _write_sums(self, task_id: str, blob: bytes) -> tuple[int, int]:
+        """Write a snapshot into the slot the table does not point at; (slot, length) for its row. The row is
+        written after this returns, in the batch's transaction: until then the table points at the other slot,
+        which nothing touches."""
+        if task_id not in self._slots:  # first write of this process: the row may predate it (a restart)
+            row = self.db.execute("SELECT slot FROM sums WHERE task_id=?", (task_id,)).fetchone()
+            self._slots[task_id] = row[0] if row else None
+        slot = 1 if self._slots[task_id] == 0 else 0
+        fd = os.open(self._sums_path(task_id, slot), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            view, at = memoryview(blob), 0
+            while at < len(view):  # pwrite may write less than asked
+                at += os.pwrite(fd, view[at:], at)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return slot, len(blob)
 
     def _append(self, task_id: str, payload: bytes) -> int:
         """Append a payload to its task's log; returns its offset (flushed with the batch)."""
@@ -138,6 +171,9 @@ class Store:
         if f is not None:
             f.close()
         self._log_path(task_id).unlink(missing_ok=True)
+        self._slots.pop(task_id, None)
+        for slot in (0, 1):
+            self._sums_path(task_id, slot).unlink(missing_ok=True)
 
     def close(self) -> None:
         for f in self._logs.values():
@@ -180,6 +216,9 @@ class Store:
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
+        # the batch's last snapshot per task (an earlier one in the same batch would be replaced at once)
+        snaps = {d["task_id"]: d["blob"] for what, d in records if what == "sums"}
+        written = {task: self._write_sums(task, blob) for task, blob in snaps.items()}
         done: list[str] = []
         with self.db:
             self.db.execute("BEGIN")
@@ -189,10 +228,17 @@ class Store:
                     reports.append(self._report_row(d, off))
                     continue
                 self._insert_reports(reports)
-                self._row(what, d)
+                if what == "sums":
+                    slot, size = written[d["task_id"]]
+                    self.db.execute("INSERT OR REPLACE INTO sums (task_id, blob, slot, len) VALUES (?,?,?,?)",
+                                    (d["task_id"], b"", slot, size))
+                else:
+                    self._row(what, d)
                 if what in ("commit", "abandon"):
                     done.append(d["task_id"])
             self._insert_reports(reports)
+        for task, (slot, _) in written.items():  # committed: the table points at these slots now
+            self._slots[task] = slot
         for task in done:
             self._forget(task)
 
@@ -221,8 +267,6 @@ class Store:
             if d.get("quarantines"):
                 db.execute("UPDATE devices SET quarantined_until=?, quarantines=? WHERE device_id=?",
                            (d["quarantined_until"], d["quarantines"], d["device_id"]))
-        elif what == "sums":
-            db.execute("INSERT OR REPLACE INTO sums VALUES (?,?)", (d["task_id"], d["blob"]))
         elif what == "abandon":
             db.execute("UPDATE rounds SET status='abandoned' WHERE task_id=?", (d["task_id"],))
             db.execute("DELETE FROM reports WHERE task_id=?", (d["task_id"],))
@@ -273,8 +317,9 @@ class Store:
         info = dict(zip(("round", "attempt", "task_id", "selected", "deadline", "opened_at"), row))
         info["selected"] = json.loads(info["selected"])
         reports = []
-        snap = self.db.execute("SELECT blob FROM sums WHERE task_id=?", (info["task_id"],)).fetchone()
-        info["sums"] = snap[0] if snap else None
+        snap = self.db.execute("SELECT blob, slot, len FROM sums WHERE task_id=?", (info["task_id"],)).fetchone()
+        info["sums"] = None if snap is None else snap[0] if snap[1] is None else self._read_sums(info["task_id"],
+                                                                                                   *snap[1:])
         info["accepted"] = [tuple(r) for r in self.db.execute(
             "SELECT device_id, n, norm FROM reports WHERE task_id=? AND file IS NULL ORDER BY rowid",
             (info["task_id"],))]
@@ -286,6 +331,19 @@ class Store:
                     f.seek(off)
                     reports.append(f.read(n))
         return info, reports
+
+    def _read_sums(self, task_id: str, slot: int, size: int) -> bytes:
+        """The snapshot the table points at (a row written before the slot files holds it as a blob)."""
+        path = self._sums_path(task_id, slot)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read(size)
+        except FileNotFoundError:
+            raise ValueError(f"{path} is missing: the open round's partial sums are lost") from None
+        if len(blob) != size:
+            raise ValueError(f"{path} holds {len(blob)} bytes, the state says {size}: the open round's partial "
+                             "sums are cut short")
+        return blob
 
     def devices(self) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT device_id, caps, programs, n, online, available, quarantined_until, "

@@ -311,8 +311,9 @@ def test_restart_from_store_keeps_accepted_reports(tmp_path, durable_sums):
     assert len(bus.m.open.accepted) == 2
     reports = [p.data for p in bus.persisted if p.what == "report"]
     assert len(reports) == 2 and all((r["payload"] is None) == durable_sums for r in reports)
-    logs = list(store.reports_dir.iterdir())
+    logs = list(store.reports_dir.glob("*.log"))
     assert (sum(f.stat().st_size for f in logs) == 0) == durable_sums
+    assert len(list(store.reports_dir.glob("*.sums*"))) == (1 if durable_sums else 0)  # one slot written
     store.close()
 
     # "restart": a new machine from the store only

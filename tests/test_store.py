@@ -1,0 +1,138 @@
+"""The state store's snapshot of a round's partial sums (durable sums, coordinator/store.py): two slot files
+beside the database, the table pointing at the one last committed. A crash at any moment, including between a
+slot's write and the transaction that points at it, must leave a whole snapshot matching the committed rows."""
+import sqlite3
+
+import pytest
+
+from coordinator.store import Store
+
+TASK = "run-r1a1"
+
+
+def _open(st: Store, task: str = TASK) -> None:
+    st.apply("open", {"round": 1, "attempt": 1, "task_id": task, "selected": ["d0", "d1", "d2"],
+                      "deadline": 100.0, "opened_at": 0.0})
+
+
+def _report(device: str, task: str = TASK) -> tuple[str, dict]:
+    return "report", {"task_id": task, "device_id": device, "n": 10, "norm": 1.5, "nbytes": 800, "payload": None}
+
+
+def _sums(blob: bytes, task: str = TASK) -> tuple[str, dict]:
+    return "sums", {"task_id": task, "blob": blob}
+
+
+def _restored(path) -> tuple[bytes | None, list[str]]:
+    """What a restarted coordinator reads: the snapshot and the devices whose reports it holds."""
+    st = Store(path)
+    try:
+        info, _ = st.open_round()
+        return info["sums"], [d for d, _n, _norm in info["accepted"]]
+    finally:
+        st.close()
+
+
+def _failing_batch(st: Store, records: list) -> None:
+    """A batch whose transaction fails after its snapshot is written (an unknown record rolls it back)."""
+    with pytest.raises(ValueError, match="unknown persist record"):
+        st.apply_batch(records + [("no-such-record", {"task_id": TASK})])
+
+
+def test_snapshots_alternate_slots_and_a_restart_reads_the_last(tmp_path):
+    st = Store(tmp_path / "s.sqlite")
+    _open(st)
+    st.apply_batch([_report("d0"), _sums(b"A" * 1000)])
+    st.apply_batch([_report("d1"), _sums(b"B" * 1200)])
+    files = {p.name: p.read_bytes() for p in st.reports_dir.glob("*.sums*")}
+    assert files == {f"{TASK}.sums0": b"A" * 1000, f"{TASK}.sums1": b"B" * 1200}
+    st.close()
+    assert _restored(tmp_path / "s.sqlite") == (b"B" * 1200, ["d0", "d1"])
+
+
+def test_a_shorter_snapshot_is_read_at_its_own_length(tmp_path):
+    """A slot keeps the tail of a longer snapshot written there before: the row's length decides."""
+    st = Store(tmp_path / "s.sqlite")
+    _open(st)
+    st.apply_batch([_report("d0"), _sums(b"A" * 1000)])
+    st.apply_batch([_sums(b"B" * 10)])
+    st.apply_batch([_sums(b"C" * 10)])  # slot 0 again, over 1000 bytes of A
+    st.close()
+    assert _restored(tmp_path / "s.sqlite")[0] == b"C" * 10
+
+
+def test_a_failed_batch_leaves_the_last_committed_snapshot_whole(tmp_path):
+    """The batch's snapshot reaches its slot file before the transaction; if the transaction fails, the table
+    still points at the other slot, untouched, and the next batch writes the free slot again."""
+    st = Store(tmp_path / "s.sqlite")
+    _open(st)
+    st.apply_batch([_report("d0"), _sums(b"A" * 100)])
+    _failing_batch(st, [_report("d1"), _sums(b"X" * 100)])
+    _failing_batch(st, [_report("d1"), _sums(b"W" * 100)])  # a failure must not flip the slot it writes next
+    assert _restored(tmp_path / "s.sqlite") == (b"A" * 100, ["d0"])
+    st.apply_batch([_report("d1"), _sums(b"B" * 100)])
+    _failing_batch(st, [_report("d2"), _sums(b"Y" * 100)])
+    assert _restored(tmp_path / "s.sqlite") == (b"B" * 100, ["d0", "d1"])
+    st.close()
+
+
+def test_a_restarted_store_writes_the_slot_the_table_does_not_point_at(tmp_path):
+    """After a restart the store learns the pointed-at slot from the table, not from its own memory."""
+    for batches in (1, 2):  # the table points at slot 0, then at slot 1
+        path = tmp_path / f"s{batches}.sqlite"
+        st = Store(path)
+        _open(st)
+        for i in range(batches):
+            st.apply_batch([_report(f"d{i}"), _sums(bytes([65 + i]) * 100)])
+        last = bytes([65 + batches - 1]) * 100
+        st.close()
+        st = Store(path)
+        _failing_batch(st, [_report("d2"), _sums(b"Z" * 100)])
+        st.close()
+        assert _restored(path) == (last, [f"d{i}" for i in range(batches)])
+
+
+def test_commit_and_abandon_remove_the_slots_and_a_restart_removes_orphans(tmp_path):
+    st = Store(tmp_path / "s.sqlite")
+    _open(st)
+    st.apply_batch([_report("d0"), _sums(b"A" * 100)])
+    st.apply_batch([_sums(b"B" * 100)])
+    st.apply("abandon", {"round": 1, "attempt": 1, "task_id": TASK})
+    assert list(st.reports_dir.iterdir()) == []
+    _open(st, "run-r1a2")
+    st.apply_batch([_report("d0", "run-r1a2"), _sums(b"C" * 100, "run-r1a2")])
+    (st.reports_dir / f"{TASK}.sums1").write_bytes(b"left by a crash between commit and cleanup")
+    st.close()
+    st = Store(tmp_path / "s.sqlite")
+    assert sorted(p.name for p in st.reports_dir.iterdir()) == ["run-r1a2.sums0"]
+    st.close()
+
+
+def test_a_missing_or_cut_snapshot_is_named(tmp_path):
+    st = Store(tmp_path / "s.sqlite")
+    _open(st)
+    st.apply_batch([_report("d0"), _sums(b"A" * 100)])
+    st.close()
+    slot = tmp_path / "s.sqlite.reports" / f"{TASK}.sums0"
+    slot.write_bytes(b"A" * 60)
+    with pytest.raises(ValueError, match=r"sums0 holds 60 bytes, the state says 100"):
+        _restored(tmp_path / "s.sqlite")
+    slot.unlink()
+    with pytest.raises(ValueError, match=r"sums0 is missing"):
+        _restored(tmp_path / "s.sqlite")
+
+
+def test_a_snapshot_stored_in_the_table_by_an_older_version_is_still_read(tmp_path):
+    st = Store(tmp_path / "s.sqlite")
+    _open(st)
+    st.apply_batch([_report("d0")])
+    st.close()
+    db = sqlite3.connect(tmp_path / "s.sqlite")
+    db.execute("INSERT INTO sums (task_id, blob) VALUES (?, ?)", (TASK, b"old" * 50))
+    db.commit()
+    db.close()
+    assert _restored(tmp_path / "s.sqlite") == (b"old" * 50, ["d0"])
+    st = Store(tmp_path / "s.sqlite")
+    st.apply_batch([_report("d1"), _sums(b"new" * 50)])  # the first slot file; the row now points at it
+    st.close()
+    assert _restored(tmp_path / "s.sqlite") == (b"new" * 50, ["d0", "d1"])
