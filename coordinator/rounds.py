@@ -38,7 +38,7 @@ from edge.protocol.machine import IllegalEvent, Move, Publish, Table, lookup  # 
 from edge.runtime.program import Program
 from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, PlainReport, Report, Status, WireError
 
-from .admission import AdmissionRules, admit, admit_plain, local_steps, next_history, plain_expected
+from .admission import AdmissionRules, admit, admit_plain, local_steps, next_history, plain_expected, share_memo
 from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry
@@ -768,8 +768,10 @@ class RoundMachine:
         observe = getattr(self.strategy, "observe_fleet", None)
         if observe is not None:
             observe({d: rec.n_samples for d, rec in self.registry.devices.items()})
-        return {d: self.strategy.plan(self.state, d, self.registry.devices[d].capabilities
-                                      if d in self.registry.devices else {}) for d in chosen}
+        plans = {d: self.strategy.plan(self.state, d, self.registry.devices[d].capabilities
+                                       if d in self.registry.devices else {}) for d in chosen}
+        share_memo(plans.values())  # per-device plans of one round hold the same arrays: check against them once
+        return plans
 
     def _send_plan(self, o: OpenRound, device_id: str) -> list[Publish]:
         dp = o.plans[device_id]

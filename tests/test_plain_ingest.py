@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from coordinator.admission import AdmissionRules, plain_expected
+from coordinator.admission import AdmissionRules, _max_abs, plain_expected, plan_norm, share_memo
 from coordinator.daemon import ProgramCatalog
 from coordinator.registry import Registry
 from coordinator.rounds import ADMISSION_KEY, Persist, Publish, RoundCommitted, RoundConfig, RoundMachine
@@ -309,6 +309,45 @@ def test_the_downlink_learns_what_each_device_holds_on_both_paths(catalog):
     kw = {"strategy": lambda: FedAvg(spec=SPEC, down_deltas=True), "caps": {"coded_downlink": True}}
     fast, _, took = _both(catalog, [_plain(f"d{i}") for i in range(N_DEVICES)], **kw)
     assert all(took) and fast.state.round == 1
+
+
+def test_per_device_plans_of_a_round_compute_the_checks_on_their_shared_weights_once(catalog):
+    """A difference downlink gives every device its own plan object over the round's one set of arrays: max |w|
+    per tensor (the range check of every report) and the plan's norm (the first round's bound) are computed once
+    per array for the round, not once per report (a pass over the model each)."""
+    m = _machine(catalog, True, strategy=lambda: FedAvg(spec=SPEC, down_deltas=True),
+                 caps={"coded_downlink": True})
+    plans = list(m.open.plans.values())
+    assert len({id(p) for p in plans}) == N_DEVICES and len({id(p.weights) for p in plans}) == 1
+    for i in range(N_DEVICES):
+        m.receive(wire.topic(m.cfg.fleet, "report", f"d{i}"), _pack(_report_map(m, f"d{i}")), 2.0)
+    assert m.plain_reports == N_DEVICES and m.state.round == 1
+    memo = plans[0].__dict__["_admission_memo"]
+    assert all(p.__dict__["_admission_memo"] is memo for p in plans)
+    w = plans[0].weights
+    assert {k for k in memo if isinstance(k, int)} == {id(a) for a in w.values()}  # once per tensor
+    assert sum(1 for k in memo if isinstance(k, tuple)) == 1  # the norm of the one set of arrays
+    for k, a in w.items():
+        assert _max_abs(plans[-1], k) == float(np.abs(a).max())
+    assert plan_norm(plans[-1]) == np.sqrt(sum(float(np.vdot(a, a)) for a in w.values()))
+
+
+def _shared_plan():
+    """The round's shared plan of a fresh FedAvg on SPEC."""
+    s = FedAvg(spec=SPEC)
+    return s.plan(s.init(0), "d0", {})
+
+
+def test_plans_sharing_a_memo_with_other_arrays_get_their_own_values():
+    """The memo is keyed by the arrays, not the tensor names: a plan with other arrays under the same names
+    (another subnetwork) reads its own max |w| and norm from a memo it shares."""
+    a = _shared_plan()
+    b = dataclasses.replace(a, weights={k: v * np.float32(3.0) for k, v in a.weights.items()})
+    share_memo([a, b])
+    for k in a.weights:
+        assert _max_abs(a, k) * 3 == pytest.approx(_max_abs(b, k), rel=1e-6)
+    assert plan_norm(a) * 3 == pytest.approx(plan_norm(b), rel=1e-6)
+    assert _max_abs(a, "fc0.weight") == float(np.abs(a.weights["fc0.weight"]).max())
 
 
 def test_sampled_uploads_of_differences_take_the_general_path(catalog):
