@@ -350,7 +350,10 @@ def run_fleet(rounds: int, *, devices: int = 50, clients_per_round: int = 10, pr
 
 # ------------------------------------------------------------------ ingest mode
 
-def _ingest_setup(n_devices: int, clients_per_round: int, rounds: int, store_path: Path):
+def _ingest_setup(n_devices: int, clients_per_round: int, rounds: int, store_path: Path, *,
+                  per_device: bool = False):
+    """``per_device``: a difference downlink to devices that declare ``coded_downlink``, so every device gets
+    its own plan object over the round's one set of weight arrays (the reports are the same)."""
     from coordinator.blas import one_blas_thread
     from coordinator.daemon import ProgramCatalog
     from coordinator.registry import Registry
@@ -361,11 +364,12 @@ def _ingest_setup(n_devices: int, clients_per_round: int, rounds: int, store_pat
 
     one_blas_thread()  # as the daemon does
     spec = mlp(INGEST_SIZES)
-    strategy = FedAvg(spec=spec)
+    strategy = FedAvg(spec=spec, down_deltas=per_device)
     catalog = ProgramCatalog()
     prog = catalog(spec, "torch")
     reg = Registry()
-    caps = {"runtime": "torch", "memory_mb": 2048, "battery": 0.9, "charging": True, "network": "wifi", "idle": True}
+    caps = {"runtime": "torch", "memory_mb": 2048, "battery": 0.9, "charging": True, "network": "wifi", "idle": True,
+            **({"coded_downlink": True} if per_device else {})}
     counts = np.random.default_rng(1).integers(20, 200, n_devices)  # what each device declares and reports
     for i in range(n_devices):
         reg.checkin(f"dev{i:05d}", caps, [prog.hash], int(counts[i]), 0.0)  # program cached: plans carry weights only
@@ -479,7 +483,9 @@ def _warm_and_bare(fresh, payloads) -> dict[str, float]:
     """The same reports once more through a fresh round (the first pass pays ~13 page faults per report: each
     batch's 1.6 MB snapshot of the sums is mapped and unmapped until the round's commit raises glibc's mmap
     threshold, which a long-running daemon pays in its first round only), then through another with
-    the plain report's fast path off (``plain_path = False``: the general path's figure), then the bare loop."""
+    the plain report's fast path off (``plain_path = False``: the general path's figure), then through one with
+    a plan per device (a difference downlink: each device its own plan object over the round's arrays), then
+    the bare loop."""
     import resource
     machine, store = fresh()
     weights = machine.open.plans[next(iter(machine.open.plans))].weights  # the round's W, as admission reads it
@@ -498,10 +504,19 @@ def _warm_and_bare(fresh, payloads) -> dict[str, float]:
     general = time.process_time() - c0
     if res["committed"] != 1 or res["dropped"] or machine.plain_reports:
         raise RuntimeError(f"ingest did not commit cleanly on the general path: {res}")
+    machine, store = fresh(per_device=True)
+    if len({id(p) for p in machine.open.plans.values()}) != len(machine.open.plans):
+        raise RuntimeError("per-device plans: the plans are shared")
+    c0 = time.process_time()
+    res = _feed(machine, store, payloads, 2.0)
+    per_device = time.process_time() - c0
+    if res["committed"] != 1 or res["dropped"] or machine.plain_reports != len(payloads):
+        raise RuntimeError(f"ingest did not commit cleanly with per-device plans: {res}")
     bare = bare_loop(payloads, weights)
     n = len(payloads)
     return {"ingest_reports_per_cpu_s_warm": n / cpu, "page_faults_per_report_warm": faults / n,
             "plain_path_share_warm": plain / n, "general_path_reports_per_cpu_s_warm": n / general,
+            "per_device_plans_reports_per_cpu_s_warm": n / per_device,
             "bare_loop_reports_per_cpu_s": n / bare, "core_over_bare_loop": cpu / bare}
 
 
@@ -526,11 +541,11 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
     report_bytes = sum(len(p) for _, p in payloads)
     gc.collect()
 
-    def fresh():
+    def fresh(per_device: bool = False):
         """A new machine and store with the round open (the same reports then go through again)."""
         nonlocal machine, store
         store.close()
-        machine, store, _ = _ingest_setup(n, n, 1_000_000, store_path)
+        machine, store, _ = _ingest_setup(n, n, 1_000_000, store_path, per_device=per_device)
         _open(machine, store, reg, 1.0)
         return machine, store
 
@@ -709,7 +724,8 @@ def summary_text(res: dict) -> str:
                   f"each): {t['ingest_reports_per_s']:.0f} reports/s wall, {t['ingest_reports_per_cpu_s']:.0f}/cpu-s "
                   f"(target >= 2000); {100 * t['plain_path_share']:.0f}% took the plain report's fast path",
                   f"  warm (a second pass, after a commit): {t['ingest_reports_per_cpu_s_warm']:.0f}/cpu-s; the general "
-                  f"path alone (plain_path off): {t['general_path_reports_per_cpu_s_warm']:.0f}/cpu-s; the bare "
+                  f"path alone (plain_path off): {t['general_path_reports_per_cpu_s_warm']:.0f}/cpu-s; with a plan "
+                  f"per device (difference downlink): {t['per_device_plans_reports_per_cpu_s_warm']:.0f}/cpu-s; the bare "
                   f"loop (msgpack decode + one dot + one saxpy per tensor, nothing else) on the same reports: "
                   f"{t['bare_loop_reports_per_cpu_s']:.0f}/cpu-s, the core costs {t['core_over_bare_loop']:.2f}x it",
                   "  per report (ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in st.items()),
