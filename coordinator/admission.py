@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -130,6 +130,27 @@ def share_memo(plans: Iterable[DevicePlan]) -> None:
         object.__setattr__(p, "_admission_memo", memo)
 
 
+def check_key(plan: DevicePlan) -> tuple[int, ...]:
+    """What the checks of a report read from its plan (the tensors, shapes and formats a device may send back),
+    by identity. The per-device plans of a round that differ only in what went down the wire (a coded or
+    difference downlink: ``dataclasses.replace`` of the round's plan, its other fields the same objects) have
+    one key. Identity, not equality: a key is only used while its plan is held, so the ids stay unique."""
+    return (id(plan.weights), id(plan.upload), id(plan.extras), id(plan.extra_dtypes), id(plan.maskable),
+            id(plan.returns), id(plan.update))
+
+
+def per_checks(plan: DevicePlan, name: str, fn: Callable[[DevicePlan], Any]) -> Any:
+    """``fn(plan)``, for a function of the fields :func:`check_key` covers: once for all the plans of a round
+    that share them (:func:`share_memo`), where it was once per device with a downlink that gives each device
+    its own plan object."""
+    memo = _memo(plan)
+    key = (name, *check_key(plan))
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = (plan, fn(plan))  # the plan held, so the key's ids stay unique
+    return hit[1]
+
+
 def _memo(plan: DevicePlan) -> dict:
     m = plan.__dict__.get("_admission_memo")
     if m is None:
@@ -146,11 +167,8 @@ def _sq(a: np.ndarray) -> float:
 def _expected(plan: DevicePlan) -> dict[str, tuple[tuple[int, ...], str, bool]]:
     """Per tensor the plan lets a device send: its shape, its value format, whether it may carry a row mask.
     Kept on the plan (a round's devices usually share one): admission asks for every report."""
-    e = plan.__dict__.get("_expected")
-    if e is None:
-        e = {k: (s, value_format(plan.upload, len(s)), k in plan.maskable) for k, s in plan.returned().items()}
-        object.__setattr__(plan, "_expected", e)
-    return e
+    return per_checks(plan, "expected", lambda p: {k: (s, value_format(p.upload, len(s)), k in p.maskable)
+                                                   for k, s in p.returned().items()})
 
 
 def check_structure(plan: DevicePlan, report: Report, rules: AdmissionRules) -> None:

@@ -38,7 +38,8 @@ from edge.protocol.machine import IllegalEvent, Move, Publish, Table, lookup  # 
 from edge.runtime.program import Program
 from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, PlainReport, Report, Status, WireError
 
-from .admission import AdmissionRules, admit, admit_plain, local_steps, next_history, plain_expected, share_memo
+from .admission import (AdmissionRules, admit, admit_plain, check_key, local_steps, next_history, per_checks,
+                        plain_expected, share_memo)
 from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry
@@ -203,7 +204,7 @@ class OpenRound:
     up: dict[str, int] = field(default_factory=dict)  # bytes of each accepted report's first delivery
     unsent: deque = field(default_factory=deque)  # selected, free, plan not sent yet (next_plans sends them)
     encoder: wire.PlanEncoder = field(default_factory=wire.PlanEncoder)  # packs shared weights once a round
-    plain: dict[int, tuple] = field(default_factory=dict)  # id(plan) -> (plan, its plain report shapes or None)
+    plain: dict[tuple, tuple] = field(default_factory=dict)  # check_key(plan) -> (plan, its plain shapes or None)
 
 
 def task_id(run_id: str, round_: int, attempt: int) -> str:
@@ -212,12 +213,8 @@ def task_id(run_id: str, round_: int, attempt: int) -> str:
 
 def max_report_bytes(plan: DevicePlan) -> int:
     """The largest report this plan lets a device send: every returnable tensor dense at its upload dtype,
-    a mask for each, the extras, and framing. Kept on the plan (a round's devices usually share one)."""
-    n = getattr(plan, "_max_report_bytes", None)
-    if n is None:
-        n = _max_report_bytes(plan)
-        object.__setattr__(plan, "_max_report_bytes", n)
-    return n
+    a mask for each, the extras, and framing. Once for the plans of a round that share what may come back."""
+    return per_checks(plan, "max_report_bytes", _max_report_bytes)
 
 
 def _max_report_bytes(plan: DevicePlan) -> int:
@@ -517,10 +514,11 @@ class RoundMachine:
                 or ident in o.held or TRANSITIONS[(self.phase, "report")].handler != "_on_report"):
             return None
         plan = o.plans[ident]
-        known = o.plain.get(id(plan))  # once per plan (a round's devices mostly share one); held, so no id reuse
+        key = check_key(plan)  # per-device plans of a downlink share it: this is once per round, not per device
+        known = o.plain.get(key)
         if known is None:
-            known = o.plain[id(plan)] = (plan, plain_expected(plan) if self.strategy.takes_plain(self.state, plan)
-                                         else None)
+            known = o.plain[key] = (plan, plain_expected(plan) if self.strategy.takes_plain(self.state, plan)
+                                    else None)
         expected = known[1]
         if expected is None:
             return None

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from coordinator.admission import AdmissionRules, _max_abs, plain_expected, plan_norm, share_memo
+from coordinator.admission import (AdmissionRules, _expected, _max_abs, check_key, plain_expected, plan_norm,
+                                   share_memo)
 from coordinator.daemon import ProgramCatalog
 from coordinator.registry import Registry
-from coordinator.rounds import ADMISSION_KEY, Persist, Publish, RoundCommitted, RoundConfig, RoundMachine
+from coordinator.rounds import (ADMISSION_KEY, Persist, Publish, RoundCommitted, RoundConfig, RoundMachine,
+                                max_report_bytes)
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fedl1 import FedL1
 from edge.model import mlp
@@ -317,7 +319,8 @@ def test_per_device_plans_of_a_round_compute_the_checks_on_their_shared_weights_
     per array for the round, not once per report (a pass over the model each)."""
     m = _machine(catalog, True, strategy=lambda: FedAvg(spec=SPEC, down_deltas=True),
                  caps={"coded_downlink": True})
-    plans = list(m.open.plans.values())
+    o = m.open
+    plans = list(o.plans.values())
     assert len({id(p) for p in plans}) == N_DEVICES and len({id(p.weights) for p in plans}) == 1
     for i in range(N_DEVICES):
         m.receive(wire.topic(m.cfg.fleet, "report", f"d{i}"), _pack(_report_map(m, f"d{i}")), 2.0)
@@ -326,7 +329,9 @@ def test_per_device_plans_of_a_round_compute_the_checks_on_their_shared_weights_
     assert all(p.__dict__["_admission_memo"] is memo for p in plans)
     w = plans[0].weights
     assert {k for k in memo if isinstance(k, int)} == {id(a) for a in w.values()}  # once per tensor
-    assert sum(1 for k in memo if isinstance(k, tuple)) == 1  # the norm of the one set of arrays
+    named = [k[0] for k in memo if isinstance(k, tuple)]
+    assert sorted(named) == ["max_report_bytes", "norm"]  # the norm of the one set of arrays; the size limit
+    assert len(o.plain) == 1  # the fast path's decision and shapes
     for k, a in w.items():
         assert _max_abs(plans[-1], k) == float(np.abs(a).max())
     assert plan_norm(plans[-1]) == np.sqrt(sum(float(np.vdot(a, a)) for a in w.values()))
@@ -336,6 +341,18 @@ def _shared_plan():
     """The round's shared plan of a fresh FedAvg on SPEC."""
     s = FedAvg(spec=SPEC)
     return s.plan(s.init(0), "d0", {})
+
+
+def test_plans_sharing_a_memo_with_other_fields_get_their_own_checks():
+    """Plans that share a round's memo but not what a device may send back (another upload format) get their
+    own expected tensors and size limit."""
+    a = _shared_plan()
+    b = dataclasses.replace(a, upload={**a.upload, "dtype": "f2"})
+    share_memo([a, b])
+    assert plain_expected(a) is not None and plain_expected(b) is None
+    assert {v[1] for v in _expected(a).values()} == {"f4"} and {v[1] for v in _expected(b).values()} == {"f2"}
+    assert max_report_bytes(b) < max_report_bytes(a)
+    assert check_key(dataclasses.replace(a, tag="m2", wire={})) == check_key(a) != check_key(b)
 
 
 def test_plans_sharing_a_memo_with_other_arrays_get_their_own_values():
