@@ -725,7 +725,8 @@ def summary_text(res: dict) -> str:
                   f"(target >= 2000); {100 * t['plain_path_share']:.0f}% took the plain report's fast path",
                   f"  warm (a second pass, after a commit): {t['ingest_reports_per_cpu_s_warm']:.0f}/cpu-s; the general "
                   f"path alone (plain_path off): {t['general_path_reports_per_cpu_s_warm']:.0f}/cpu-s; with a plan "
-                  f"per device (difference downlink): {t['per_device_plans_reports_per_cpu_s_warm']:.0f}/cpu-s; the bare "
+                  f"per device (difference downlink): {t['per_device_plans_reports_per_cpu_s_warm']:.0f}/cpu-s; "
+                  f"the bare "
                   f"loop (msgpack decode + one dot + one saxpy per tensor, nothing else) on the same reports: "
                   f"{t['bare_loop_reports_per_cpu_s']:.0f}/cpu-s, the core costs {t['core_over_bare_loop']:.2f}x it",
                   "  per report (ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in st.items()),
