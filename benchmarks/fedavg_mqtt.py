@@ -480,9 +480,10 @@ def bare_loop(payloads: list[tuple[str, bytes]], weights: dict[str, np.ndarray])
 
 
 def _warm_and_bare(fresh, payloads) -> dict[str, float]:
-    """The same reports once more through a fresh round (the first pass pays ~13 page faults per report: each
-    batch's 1.6 MB snapshot of the sums is mapped and unmapped until the round's commit raises glibc's mmap
-    threshold, which a long-running daemon pays in its first round only), then through another with
+    """The same reports once more through a fresh round (the first pass paid ~13 page faults per report while
+    the sums went into SQLite, ~2.3 since they go to slot files: SQLite's copy of each batch's 1.6 MB snapshot
+    was mapped and unmapped until the round's commit raised glibc's mmap threshold, which a long-running
+    daemon pays in its first round only), then through another with
     the plain report's fast path off (``plain_path = False``: the general path's figure), then through one with
     a plan per device (a difference downlink: each device its own plan object over the round's arrays), then
     the bare loop."""
