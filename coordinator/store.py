@@ -146,7 +146,9 @@ class Store:
             row = self.db.execute("SELECT slot FROM sums WHERE task_id=?", (task_id,)).fetchone()
             self._slots[task_id] = row[0] if row else None
         slot = 1 if self._slots[task_id] == 0 else 0
-        fd = os.open(self._sums_path(task_id, slot), os.O_WRONLY | os.O_CREAT, 0o600)
+        path = self._sums_path(task_id, slot)
+        created = self.fsync and not path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             view, at = memoryview(blob), 0
             while at < len(view):  # pwrite may write less than asked
@@ -155,13 +157,25 @@ class Store:
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if created:
+            self._fsync_dir()
         return slot, len(blob)
+
+    def _fsync_dir(self) -> None:
+        """A new file's name is durable only once its directory is synced (with ``fsync``: a power cut)."""
+        fd = os.open(self.reports_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _append(self, task_id: str, payload: bytes) -> int:
         """Append a payload to its task's log; returns its offset (flushed with the batch)."""
         f = self._logs.get(task_id)
         if f is None:
             f = self._logs[task_id] = open(self._log_path(task_id), "ab")
+            if self.fsync:
+                self._fsync_dir()  # before any row can point into it (its data is synced with the batch)
         off = f.tell()
         f.write(payload)
         return off

@@ -39,8 +39,9 @@ def _failing_batch(st: Store, records: list) -> None:
         st.apply_batch(records + [("no-such-record", {"task_id": TASK})])
 
 
-def test_snapshots_alternate_slots_and_a_restart_reads_the_last(tmp_path):
-    st = Store(tmp_path / "s.sqlite")
+@pytest.mark.parametrize("fsync", [False, True])
+def test_snapshots_alternate_slots_and_a_restart_reads_the_last(tmp_path, fsync):
+    st = Store(tmp_path / "s.sqlite", fsync=fsync)
     _open(st)
     st.apply_batch([_report("d0"), _sums(b"A" * 1000)])
     st.apply_batch([_report("d1"), _sums(b"B" * 1200)])
@@ -61,10 +62,11 @@ def test_a_shorter_snapshot_is_read_at_its_own_length(tmp_path):
     assert _restored(tmp_path / "s.sqlite")[0] == b"C" * 10
 
 
-def test_a_failed_batch_leaves_the_last_committed_snapshot_whole(tmp_path):
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_failed_batch_leaves_the_last_committed_snapshot_whole(tmp_path, fsync):
     """The batch's snapshot reaches its slot file before the transaction; if the transaction fails, the table
     still points at the other slot, untouched, and the next batch writes the free slot again."""
-    st = Store(tmp_path / "s.sqlite")
+    st = Store(tmp_path / "s.sqlite", fsync=fsync)
     _open(st)
     st.apply_batch([_report("d0"), _sums(b"A" * 100)])
     _failing_batch(st, [_report("d1"), _sums(b"X" * 100)])
