@@ -19,7 +19,8 @@ benchmarks/fedavg_mqtt.py), and a file per report cost a create, a write and a r
 batches (:meth:`Store.apply_batch`, one per pass of the daemon's network loop): the batch's payloads are
 appended and flushed first, then one transaction indexes them, so a row always points at bytes that are
 there, and the daemon acks a report only after its batch is written (group commit). With ``fsync`` the
-logs are fsynced and SQLite runs ``synchronous=FULL``, which survives a power cut; without (the default),
+logs and sums slots are fsynced (with their directory when one is created) and SQLite runs
+``synchronous=FULL``, which survives a power cut; without (the default),
 like WAL with synchronous=NORMAL, a batch survives a process crash (the coordinator's failure mode).
 """
 from __future__ import annotations
