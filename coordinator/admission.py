@@ -108,14 +108,18 @@ def local_steps(plan: DevicePlan, n: int) -> int:
 
 def plan_norm(plan: DevicePlan) -> float:
     """Norm of the returnable tensors the plan sent (the first round's reference scale); computed once per set
-    of weight arrays (:func:`share_memo`)."""
-    arrays = tuple(plan.weights[k] for k in plan.returned())
-    memo = _memo(plan)
-    key = ("norm",) + tuple(id(a) for a in arrays)
-    hit = memo.get(key)
-    if hit is None:
-        hit = memo[key] = (arrays, math.sqrt(sum(_sq(a) for a in arrays)))  # the arrays held: ids stay unique
-    return hit[1]
+    of weight arrays (:func:`share_memo`), then kept on the plan (asked for every report of a first round)."""
+    norm = plan.__dict__.get("_norm")
+    if norm is None:
+        arrays = tuple(plan.weights[k] for k in plan.returned())
+        memo = _memo(plan)
+        key = ("norm",) + tuple(id(a) for a in arrays)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = (arrays, math.sqrt(sum(_sq(a) for a in arrays)))  # the arrays held: ids unique
+        norm = hit[1]
+        object.__setattr__(plan, "_norm", norm)
+    return norm
 
 
 def share_memo(plans: Iterable[DevicePlan]) -> None:
@@ -135,19 +139,30 @@ def check_key(plan: DevicePlan) -> tuple[int, ...]:
     by identity. The per-device plans of a round that differ only in what went down the wire (a coded or
     difference downlink: ``dataclasses.replace`` of the round's plan, its other fields the same objects) have
     one key. Identity, not equality: a key is only used while its plan is held, so the ids stay unique."""
-    return (id(plan.weights), id(plan.upload), id(plan.extras), id(plan.extra_dtypes), id(plan.maskable),
-            id(plan.returns), id(plan.update))
+    key = plan.__dict__.get("_check_key")
+    if key is None:
+        key = (id(plan.weights), id(plan.upload), id(plan.extras), id(plan.extra_dtypes), id(plan.maskable),
+               id(plan.returns), id(plan.update))
+        object.__setattr__(plan, "_check_key", key)  # asked for every report
+    return key
 
 
 def per_checks(plan: DevicePlan, name: str, fn: Callable[[DevicePlan], Any]) -> Any:
     """``fn(plan)``, for a function of the fields :func:`check_key` covers: once for all the plans of a round
     that share them (:func:`share_memo`), where it was once per device with a downlink that gives each device
     its own plan object."""
+    own = plan.__dict__.get("_checks")  # this plan's answers: asked for every report
+    if own is None:
+        own = {}
+        object.__setattr__(plan, "_checks", own)
+    if name in own:
+        return own[name]
     memo = _memo(plan)
     key = (name, *check_key(plan))
     hit = memo.get(key)
     if hit is None:
         hit = memo[key] = (plan, fn(plan))  # the plan held, so the key's ids stay unique
+    own[name] = hit[1]
     return hit[1]
 
 
@@ -276,13 +291,20 @@ def update_norm(plan: DevicePlan, report: Report, max_abs_value: float = math.in
 
 
 def _max_abs(plan: DevicePlan, name: str) -> float:
-    """max |w| of one of the plan's tensors, once per array (:func:`share_memo`)."""
-    w = plan.weights[name]
-    memo = _memo(plan)
-    hit = memo.get(id(w))
-    if hit is None:
-        hit = memo[id(w)] = (w, float(np.abs(w).max()) if w.size else 0.0)
-    return hit[1]
+    """max |w| of one of the plan's tensors, once per array (:func:`share_memo`), then kept on the plan."""
+    own = plan.__dict__.get("_max_abs")
+    if own is None:
+        own = {}
+        object.__setattr__(plan, "_max_abs", own)
+    v = own.get(name)
+    if v is None:
+        w = plan.weights[name]
+        memo = _memo(plan)
+        hit = memo.get(id(w))
+        if hit is None:
+            hit = memo[id(w)] = (w, float(np.abs(w).max()) if w.size else 0.0)
+        v = own[name] = hit[1]
+    return v
 
 
 def clip_report(plan: DevicePlan, report: Report, scale: float) -> Report:
