@@ -181,7 +181,7 @@ def _sq(a: np.ndarray) -> float:
 
 def _expected(plan: DevicePlan) -> dict[str, tuple[tuple[int, ...], str, bool]]:
     """Per tensor the plan lets a device send: its shape, its value format, whether it may carry a row mask.
-    Kept on the plan (a round's devices usually share one): admission asks for every report."""
+    Once per round for the plans that share what may come back (:func:`per_checks`): asked for every report."""
     return per_checks(plan, "expected", lambda p: {k: (s, value_format(p.upload, len(s)), k in p.maskable)
                                                    for k, s in p.returned().items()})
 
