@@ -107,28 +107,17 @@ def local_steps(plan: DevicePlan, n: int) -> int:
 
 
 def plan_norm(plan: DevicePlan) -> float:
-    """Norm of the returnable tensors the plan sent (the first round's reference scale); computed once per set
-    of weight arrays (:func:`share_memo`), then kept on the plan (asked for every report of a first round)."""
-    norm = plan.__dict__.get("_norm")
-    if norm is None:
-        arrays = tuple(plan.weights[k] for k in plan.returned())
-        memo = _memo(plan)
-        key = ("norm",) + tuple(id(a) for a in arrays)
-        hit = memo.get(key)
-        if hit is None:
-            hit = memo[key] = (arrays, math.sqrt(sum(_sq(a) for a in arrays)))  # the arrays held: ids unique
-        norm = hit[1]
-        object.__setattr__(plan, "_norm", norm)
-    return norm
+    """Norm of the returnable tensors the plan sent (the first round's reference scale), once per round
+    (:func:`per_checks`)."""
+    return per_checks(plan, "norm", lambda p: math.sqrt(sum(_sq(p.weights[k]) for k in p.returned())))
 
 
 def share_memo(plans: Iterable[DevicePlan]) -> None:
-    """Give a round's plans one memo of what admission computes from their weight arrays (max |w| per tensor,
-    the plan's norm). Per-device plans (a coded or difference downlink, an upload budget per device's link)
-    are made from the round's shared plan and hold the same arrays; each computed them again, a pass over
-    the model for every report (0.4 ms a report of a 200k-parameter model, or about 80% more ingest CPU).
-    The memo is keyed by the arrays themselves (it holds them, so their ids stay unique while it lives):
-    plans with other arrays share it safely."""
+    """Give a round's plans one memo of what admission computes from what a report is checked against (max |w|
+    per tensor, the plan's norm, the expected tensors: :func:`per_checks`). Per-device plans (a coded or
+    difference downlink, an upload budget per device's link) are made from the round's shared plan and hold
+    the same fields; each computed them again, a pass over the model for every report (0.4 ms a report of a
+    200k-parameter model, or about 80% more ingest CPU)."""
     memo: dict = {}
     for p in plans:
         object.__setattr__(p, "_admission_memo", memo)
@@ -280,7 +269,7 @@ def update_norm(plan: DevicePlan, report: Report, max_abs_value: float = math.in
                 w = plan.weights[k]
                 w = w if t.mask is None else w[t.mask]
                 v = v - w.astype(v.dtype, copy=False)
-            w_max = _max_abs(plan, k)
+            w_max = _max_abs(plan)[k]
         sq = _sq(v.astype(np.float32, copy=False))
         if not math.isfinite(sq):
             raise ReportRejected(f"{k}: values that are not finite")
@@ -290,21 +279,13 @@ def update_norm(plan: DevicePlan, report: Report, max_abs_value: float = math.in
     return math.sqrt(total)
 
 
-def _max_abs(plan: DevicePlan, name: str) -> float:
-    """max |w| of one of the plan's tensors, once per array (:func:`share_memo`), then kept on the plan."""
-    own = plan.__dict__.get("_max_abs")
-    if own is None:
-        own = {}
-        object.__setattr__(plan, "_max_abs", own)
-    v = own.get(name)
-    if v is None:
-        w = plan.weights[name]
-        memo = _memo(plan)
-        hit = memo.get(id(w))
-        if hit is None:
-            hit = memo[id(w)] = (w, float(np.abs(w).max()) if w.size else 0.0)
-        v = own[name] = hit[1]
-    return v
+def _max_abs(plan: DevicePlan) -> dict[str, float]:
+    """max |w| of each of the plan's tensors, once per round (:func:`per_checks`)."""
+    return per_checks(plan, "max_abs", _max_abs_of)
+
+
+def _max_abs_of(plan: DevicePlan) -> dict[str, float]:
+    return {k: float(np.abs(w).max()) if w.size else 0.0 for k, w in plan.weights.items()}
 
 
 def clip_report(plan: DevicePlan, report: Report, scale: float) -> Report:
@@ -366,10 +347,11 @@ def admit_plain(plan: DevicePlan, report: PlainReport, rules: AdmissionRules,
     the norm is the same to the bit (tests/test_plain_ingest.py)."""
     total = 0.0
     diffs = {}
+    w_max = _max_abs(plan)
     for k, v in report.values.items():
         d = np.subtract(v, plan.weights[k].reshape(-1))
         sq = _sq(d)
-        if not math.isfinite(sq) or _max_abs(plan, k) + math.sqrt(sq) > rules.max_abs_value:
+        if not math.isfinite(sq) or w_max[k] + math.sqrt(sq) > rules.max_abs_value:
             return None
         total += sq
         diffs[k] = d
