@@ -483,10 +483,9 @@ def _warm_and_bare(fresh, payloads) -> dict[str, float]:
     """The same reports once more through a fresh round (the first pass paid ~13 page faults per report while
     the sums went into SQLite, ~2.3 since they go to slot files: SQLite's copy of each batch's 1.6 MB snapshot
     was mapped and unmapped until the round's commit raised glibc's mmap threshold, which a long-running
-    daemon pays in its first round only), then through another with
-    the plain report's fast path off (``plain_path = False``: the general path's figure), then through one with
-    a plan per device (a difference downlink: each device its own plan object over the round's arrays), then
-    the bare loop."""
+    daemon pays in its first round only), then through another with the plain report's fast path off
+    (``plain_path = False``: the general path's figure), then through one with a plan per device (a difference
+    downlink: each device its own plan object over the round's arrays), then the bare loop."""
     import resource
     machine, store = fresh()
     weights = machine.open.plans[next(iter(machine.open.plans))].weights  # the round's W, as admission reads it
@@ -727,8 +726,7 @@ def summary_text(res: dict) -> str:
                   f"  warm (a second pass, after a commit): {t['ingest_reports_per_cpu_s_warm']:.0f}/cpu-s; the general "
                   f"path alone (plain_path off): {t['general_path_reports_per_cpu_s_warm']:.0f}/cpu-s; with a plan "
                   f"per device (difference downlink): {t['per_device_plans_reports_per_cpu_s_warm']:.0f}/cpu-s; "
-                  f"the bare "
-                  f"loop (msgpack decode + one dot + one saxpy per tensor, nothing else) on the same reports: "
+                  f"the bare loop (msgpack decode + one dot + one saxpy per tensor, nothing else) on the same reports: "
                   f"{t['bare_loop_reports_per_cpu_s']:.0f}/cpu-s, the core costs {t['core_over_bare_loop']:.2f}x it",
                   "  per report (ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in st.items()),
                   *(f"  open a round of {o['devices']}: {o['open_round_s']:.3f} s to open (first "
