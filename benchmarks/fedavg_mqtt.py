@@ -41,7 +41,8 @@ reports then go through a fresh round of the same process (``ingest_reports_per_
 and through a *bare loop* that only decodes them with msgpack and makes one dot and one saxpy per tensor
 (``bare_loop_reports_per_cpu_s``; ``core_over_bare_loop`` is the core's CPU over the loop's, in one run).
 These reports are plain (dense float32, exactly the plan's tensors), so the round machine admits and sums
-them on its fast path (``plain_path_share``); ``general_path_reports_per_cpu_s_warm`` is a warm pass with
+them on its fast path (``plain_path_share``), reading their values in place in the message rather than from
+msgpack's copy (``plain_in_place_share``); ``general_path_reports_per_cpu_s_warm`` is a warm pass with
 that path off, in the same run, which is what any other report costs.
 Then 20 rounds of 200 reports back to back, recording RSS and
 the peak RSS (VmHWM, reset each round where the kernel allows) after every round, to show memory does not
@@ -557,7 +558,7 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
     bar.close()
     if res["committed"] != 1 or res["dropped"]:
         raise RuntimeError(f"ingest did not commit cleanly: {res}")
-    plain_share = machine.plain_reports / n
+    plain_share, in_place_share = machine.plain_reports / n, machine.plain_in_place / n
     db_mb = sum(p.stat().st_size for p in wd.glob("ingest.sqlite*") if p.is_file()) / 2**20
     warm = _warm_and_bare(fresh, payloads)
 
@@ -617,7 +618,7 @@ def ingest_throughput(n: int, workdir: str, profile: bool) -> dict[str, Any]:
             "plan_window": machine.cfg.plan_window, "rss_before_open_mb": base_rss,
             "peak_rss_while_opening_mb": open_peak, "disk_fsync_MB_per_s": disk_write_speed(wd),
             "wall_s": wall, "cpu_s": cpu, "ingest_reports_per_s": rate, "ingest_reports_per_cpu_s": n / cpu,
-            "plain_path_share": plain_share, **warm,
+            "plain_path_share": plain_share, "plain_in_place_share": in_place_share, **warm,
             "ingest_MB_per_s": report_bytes / wall / 1e6, "sqlite_files_mb": db_mb,
             "stages_s_per_report": {k: v / n for k, v in stages.items()},
             "peak_rss_mb": peak_rss_mb(), "payload_buffer_mb": report_bytes / 2**20,

@@ -204,7 +204,7 @@ class OpenRound:
     up: dict[str, int] = field(default_factory=dict)  # bytes of each accepted report's first delivery
     unsent: deque = field(default_factory=deque)  # selected, free, plan not sent yet (next_plans sends them)
     encoder: wire.PlanEncoder = field(default_factory=wire.PlanEncoder)  # packs shared weights once a round
-    plain: dict[tuple, tuple] = field(default_factory=dict)  # check_key(plan) -> (plan, its plain shapes or None)
+    plain: dict[tuple, tuple] = field(default_factory=dict)  # check_key(plan) -> (plan, plain shapes or None, layout)
 
 
 def task_id(run_id: str, round_: int, attempt: int) -> str:
@@ -244,6 +244,7 @@ class RoundMachine:
         self.finished = state.round >= cfg.rounds
         self.dropped_messages = 0
         self.plain_reports = 0  # reports accepted by the fast path (_take_plain), of all accepted
+        self.plain_in_place = 0  # of those, the ones read in place (wire.PlainLayout), not from msgpack's map
         self.last_metrics: dict[str, float] = {}
         self._delivery = 0  # bytes of the report being handled (its first complete delivery)
         self._unsaved: str | None = None  # the task whose sums changed since the last checkpoint
@@ -332,11 +333,12 @@ class RoundMachine:
             limit = max_report_bytes(o.plans[ident]) if selected else self._recent_limit(ident)
         raw = payload
         try:
-            d = wire.unpack(payload, max_bytes=limit or CHECKIN_MAX_BYTES)
-            if selected and kind == "report":
-                taken = self._take_plain(ident, d, raw, now)
+            if kind == "report" and selected:
+                taken, d = self._fast(ident, payload, limit, now)
                 if taken is not None:
                     return taken
+            else:
+                d = wire.unpack(payload, max_bytes=limit or CHECKIN_MAX_BYTES)
             # report values are checked for NaN and inf by admission, in the pass that takes the update's norm
             msg = wire.decode_map(d, expect=(kind, "chunk"), finite_updates=False)
             if isinstance(msg, Chunk):
@@ -347,11 +349,12 @@ class RoundMachine:
                 if raw is None:
                     return []
                 delivery = self._reasm.last_wire_bytes  # all the chunks of this message, each once
-                d = wire.unpack(raw, max_bytes=limit)
                 if selected:  # (a chunk is a report's: checked above)
-                    taken = self._take_plain(ident, d, raw, now)
+                    taken, d = self._fast(ident, raw, limit, now)
                     if taken is not None:
                         return taken
+                else:
+                    d = wire.unpack(raw, max_bytes=limit)
                 msg = wire.decode_map(d, expect=(kind,), finite_updates=False)
             else:
                 delivery = len(payload)
@@ -501,35 +504,59 @@ class RoundMachine:
         out += self._ack(r, "accepted")
         return out + self._maybe_close(now)
 
-    def _take_plain(self, ident: str, d: Any, raw: bytes, now: float) -> list[Action] | None:
-        """Ingest's fast path: a plain report (dense float32 weights of exactly the plan's tensors, the common
-        report) that :meth:`_on_report` would accept as it is, summed in one pass with no object per tensor
-        (wire.plain_report, admission.admit_plain, the strategy's ``accumulate_plain``). None for anything
-        else, before anything has changed: the general path then decodes the same map and decides. It only
-        ever accepts, and only what the general path accepts, with the same norm, sums, records and ack
-        (tests/test_plain_ingest.py drives both paths on the same reports)."""
+    def _plain_spec(self, ident: str) -> tuple[DevicePlan, dict, wire.PlainLayout] | None:
+        """What a plain report of ``ident``'s plan looks like (its plan, :func:`plain_expected`'s tensors, their
+        :class:`wire.PlainLayout`), or None when ingest's fast path cannot take this device's report now."""
         o = self.open
-        take = getattr(self.strategy, "accumulate_plain", None)
-        if (take is None or not self.cfg.plain_path or self.cfg.reproducible or ident in o.finished
-                or ident in o.held or TRANSITIONS[(self.phase, "report")].handler != "_on_report"):
+        if (getattr(self.strategy, "accumulate_plain", None) is None or not self.cfg.plain_path
+                or self.cfg.reproducible or ident in o.finished or ident in o.held
+                or TRANSITIONS[(self.phase, "report")].handler != "_on_report"):
             return None
         plan = o.plans[ident]
         key = check_key(plan)  # per-device plans of a downlink share it: this is once per round, not per device
         known = o.plain.get(key)
         if known is None:
-            known = o.plain[key] = (plan, plain_expected(plan) if self.strategy.takes_plain(self.state, plan)
-                                    else None)
-        expected = known[1]
-        if expected is None:
-            return None
-        r = wire.plain_report(d, expected)
+            expected = plain_expected(plan) if self.strategy.takes_plain(self.state, plan) else None
+            # (the plan is kept so that the ids in the key stay its fields')
+            known = o.plain[key] = (plan, expected, None if expected is None else wire.PlainLayout(expected))
+        return None if known[1] is None else (plan, known[1], known[2])
+
+    def _fast(self, ident: str, raw: bytes, limit: int, now: float) -> tuple[list[Action] | None, Any]:
+        """A whole report of a selected device through ingest's fast path: read in place
+        (:class:`wire.PlainLayout`) if it is laid out as :func:`wire.encode` writes it, else from msgpack's map
+        (:func:`wire.plain_report`). Returns the actions if the fast path took it, else None and msgpack's map
+        of the message for the general path (unpacking raises WireError for what cannot be unpacked)."""
+        spec = self._plain_spec(ident)
+        if spec is not None and len(raw) <= limit:
+            r = spec[2].read(raw)  # the values in place, no copy
+            if r is not None:
+                taken = self._take_plain(ident, spec[0], r, raw, now)
+                if taken is not None:
+                    self.plain_in_place += 1
+                    return taken, None
+                spec = None  # the map's fast path would read the same report and decline it too
+        d = wire.unpack(raw, max_bytes=limit or CHECKIN_MAX_BYTES)
+        if spec is not None:
+            return self._take_plain(ident, spec[0], wire.plain_report(d, spec[1]), raw, now), d
+        return None, d
+
+    def _take_plain(self, ident: str, plan: DevicePlan, r: PlainReport | None, raw: bytes,
+                    now: float) -> list[Action] | None:
+        """Ingest's fast path: a plain report (dense float32 weights of exactly the plan's tensors, the common
+        report, read by :class:`wire.PlainLayout` or :func:`wire.plain_report`) that :meth:`_on_report` would
+        accept as it is, summed in one pass with no object per tensor (admission.admit_plain, the strategy's
+        ``accumulate_plain``). None for anything else, before anything has changed: the general path then
+        decodes the same message and decides. It only ever accepts, and only what the general path accepts,
+        with the same norm, sums, records and ack (tests/test_plain_ingest.py drives both paths on the same
+        reports)."""
+        o = self.open
         if (r is None or r.device_id != ident or r.task_id != o.task_id
                 or r.n_samples != self.registry.devices[ident].n_samples):
             return None
         admitted = admit_plain(plan, r, self.cfg.admission, self.history)
         if admitted is None:
             return None
-        take(self.state, o.acc, plan, ident, r.n_samples, admitted[0])
+        self.strategy.accumulate_plain(self.state, o.acc, plan, ident, r.n_samples, admitted[0])
         self.plain_reports += 1
         return self._accepted(o, r, admitted[1], raw, now)
 

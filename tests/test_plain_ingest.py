@@ -398,6 +398,7 @@ def test_replays_other_topics_and_chunks(catalog):
             assert _canon(fast.receive(topic, p, 2.0 + i)) == _canon(general.receive(topic, p, 2.0 + i))
         assert _state(fast) == _state(general)
     assert fast.plain_reports == N_DEVICES and fast.state.round == 1
+    assert fast.plain_in_place == N_DEVICES  # the reassembled report too: read in place, not from msgpack's copy
 
 
 def test_a_strategy_without_the_fast_path_or_that_changes_the_check_gets_the_general_path(catalog):
@@ -535,3 +536,103 @@ def test_plain_report_refuses_ids_that_decode_refuses(catalog, field, value):
     assert wire.plain_report(d, plain_expected(m.open.plans["d0"])) is None
     with pytest.raises(wire.WireError):
         wire.decode_map(d, expect=("report",), finite_updates=False)
+
+
+# ---------------------------------------------------------------- reading in place (wire.PlainLayout)
+
+def _same_report(p: wire.PlainReport, payload: bytes, e: dict) -> None:
+    """``p`` holds what decode builds from ``payload`` (which must decode)."""
+    r = wire.decode(payload, expect=("report",), finite_updates=False)
+    assert (p.task_id, p.device_id, p.n_samples, p.metrics) == (r.task_id, r.device_id, r.n_samples, r.metrics)
+    assert list(p.values) == list(r.tensors) == list(e) and r.extras == {}
+    for k, t in r.tensors.items():
+        assert t.plain and t.encoding == "f4" and t.shape == tuple(e[k][0])
+        assert np.array_equal(p.values[k], t.values.reshape(-1))
+
+
+def test_the_layout_reads_what_the_encoder_writes_in_place(catalog):
+    m = _plain_machine(catalog)
+    e = plain_expected(m.open.plans["d0"])
+    payload = _pack(_report_map(m, "d0"))
+    p = wire.PlainLayout(e).read(payload)
+    _same_report(p, payload, e)
+    assert all(v.base is payload for v in p.values.values())  # views of the message: no copy
+    # a tensor with no values, and one name that needs more than a fixstr
+    e2 = {"w" * 40: ([2, 3], 24), "empty": ([0, 4], 0), "b": ([3], 12)}
+    tensors = {k: TensorUpdate(tuple(s), np.arange(n // 4, dtype=np.float32).reshape(s)) for k, (s, n) in e2.items()}
+    payload = wire.encode(Report("t1", "d9", 5, {"loss": 0.5}, tensors))
+    _same_report(wire.PlainLayout(e2).read(payload), payload, e2)
+
+
+@pytest.mark.parametrize("change", ["key order", "no extras field"])
+def test_the_layout_leaves_other_encoders_to_the_map(catalog, change):
+    """Another key order or no extras is still a plain report, read from the unpacked map."""
+    m = _plain_machine(catalog)
+    e = plain_expected(m.open.plans["d0"])
+    d = _report_map(m, "d0")
+    CHANGES[change](d, m)
+    payload = _pack(d)
+    assert wire.PlainLayout(e).read(payload) is None
+    assert wire.plain_report(wire.unpack(payload), e) is not None
+    assert wire.PlainLayout(e).read(bytearray(_pack(_report_map(m, "d0")))) is None  # bytes only
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_mutations())
+def test_the_layout_never_reads_what_decode_refuses_in_a_changed_map(catalog, mutation):
+    m = _plain_machine(catalog)
+    e = plain_expected(m.open.plans["d0"])
+    d = _report_map(m, "d0")
+    _mutate(d, *mutation)
+    try:
+        payload = _pack(d)
+    except (OverflowError, ValueError, TypeError):
+        return
+    p = wire.PlainLayout(e).read(payload)
+    if p is not None:
+        _same_report(p, payload, e)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_the_layout_never_reads_what_decode_refuses_in_changed_bytes(catalog, data):
+    """A byte of the message's structure (anything but the values) set, inserted or deleted: the layout
+    declines, or reads exactly what decode reads."""
+    m = _plain_machine(catalog)
+    e = plain_expected(m.open.plans["d0"])
+    d = _report_map(m, "d0")
+    payload = _pack(d)
+    values = set()
+    for rec in d["tensors"].values():
+        at = payload.find(rec["x"]["b"])
+        values.update(range(at, at + len(rec["x"]["b"])))
+    structure = [i for i in range(len(payload)) if i not in values]
+    changed = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.sampled_from(structure))
+        op = data.draw(st.sampled_from(["set", "insert", "delete"]))
+        if op == "set":
+            changed[i] = data.draw(st.integers(0, 255))
+        elif op == "insert":
+            changed.insert(i, data.draw(st.integers(0, 255)))
+        else:
+            del changed[i]
+    changed = bytes(changed)
+    p = wire.PlainLayout(e).read(changed)
+    if p is not None:
+        _same_report(p, changed, e)
+
+
+@pytest.mark.parametrize("head", [{"zz": 1}, {"n": True}, {"v": 2}, {"metrics": {"x": [1]}}, {"device_id": "a/b"}])
+def test_the_layout_checks_the_fields_before_the_tensors(catalog, head):
+    """A field the general path refuses, written before the tensors (so the tensors and extras still end the
+    message as the layout expects): the layout declines."""
+    m = _plain_machine(catalog)
+    e = plain_expected(m.open.plans["d0"])
+    d = _report_map(m, "d0")
+    payload = _pack({**head, **d} | head)  # the changed field first
+    tail = _pack(d)
+    assert payload.endswith(tail[tail.index(b"\xa7tensors"):])
+    assert wire.PlainLayout(e).read(payload) is None
+    with pytest.raises(wire.WireError):
+        wire.decode(payload, expect=("report",), finite_updates=False)

@@ -924,13 +924,8 @@ def plain_report(d: Any, expected: Mapping[str, tuple[list[int], int]]) -> Plain
     One function and no object per tensor, because ingest reads every report."""
     if type(d) is not dict or not d.keys() <= _REPORT_FIELDS or not _F4_NATIVE:
         return None
-    if type(d.get("v")) is not int or d["v"] != PROTOCOL_VERSION or d.get("k") != "report":
-        return None
-    task, dev, n, tens = d.get("task_id"), d.get("device_id"), d.get("n"), d.get("tensors")
-    if type(task) is not str or type(dev) is not str or not ID_RE.match(task) or not ID_RE.match(dev):
-        return None
-    if type(n) is not int or not 0 < n < 2**63 or type(tens) is not dict or len(tens) > MAX_TENSORS \
-            or tens.keys() != expected.keys():
+    tens = d.get("tensors")
+    if type(tens) is not dict or len(tens) > MAX_TENSORS or tens.keys() != expected.keys():
         return None
     extras = d.get("extras", _NO_EXTRAS)
     if type(extras) is not dict or extras:
@@ -950,6 +945,18 @@ def plain_report(d: Any, expected: Mapping[str, tuple[list[int], int]]) -> Plain
         if x["d"] != "f4" or x["s"] != s or type(b) is not bytes or len(b) != nbytes:
             return None
         values[k] = np.frombuffer(b, np.float32)
+    return _plain_fields(d, values)
+
+
+def _plain_fields(d: dict, values: dict[str, np.ndarray]) -> PlainReport | None:
+    """The report's fields other than its tensors and extras, checked as :func:`decode_map` checks them."""
+    if type(d.get("v")) is not int or d["v"] != PROTOCOL_VERSION or d.get("k") != "report":
+        return None
+    task, dev, n = d.get("task_id"), d.get("device_id"), d.get("n")
+    if type(task) is not str or type(dev) is not str or not ID_RE.match(task) or not ID_RE.match(dev):
+        return None
+    if type(n) is not int or not 0 < n < 2**63:
+        return None
     try:
         metrics = _scalars(d.get("metrics"), "report.metrics")
     except WireError:
@@ -957,7 +964,68 @@ def plain_report(d: Any, expected: Mapping[str, tuple[list[int], int]]) -> Plain
     return PlainReport(task, dev, n, metrics, values)
 
 
+class PlainLayout:
+    """Reads a plain report where it lies in the message, with no copy of its values.
+
+    msgpack copies every value buffer out of the message: for a dense model that is a pass over the whole
+    report, a third of what ingest does with it after (benchmarks/fedavg_mqtt.py --mode ingest). The bytes
+    :func:`encode` writes for a plain report end in the same way for every device of a plan: ``"tensors"``,
+    each expected tensor's record in order with its values last, then ``"extras": {}``. Only the values
+    differ. :meth:`read` compares those bytes with the expected ones, decodes the few fields before them
+    (ids, count, metrics) with msgpack, and views each tensor's values in the message itself (read-only,
+    float32, possibly unaligned). Anything else (another encoder's key order, another integer width, a
+    missing ``extras``) returns None, and the caller unpacks the message and tries :func:`plain_report`.
+
+    Why it reads exactly what :func:`decode_map` reads: msgpack is a prefix code, so if the head (the bytes
+    between the map's header and the expected tail) decodes as exactly its count of pairs less two, with no
+    ``tensors`` or ``extras`` among them, the whole message decodes as those pairs plus the two the tail
+    spells, byte for byte what msgpack packs for the expected records.
+    """
+
+    def __init__(self, expected: Mapping[str, tuple[list[int], int]]):
+        packer = msgpack.Packer(use_bin_type=True)
+        self.head = msgpack.packb("tensors") + packer.pack_map_header(len(expected))
+        self.records: list[tuple[str, bytes, int]] = []  # name, the record's bytes before its values, value bytes
+        for k, (shape, nbytes) in expected.items():
+            rec = msgpack.packb(pack_update(TensorUpdate(shape, np.zeros(shape, np.float32))), use_bin_type=True)
+            cut = len(rec) - nbytes
+            if rec[cut:] != bytes(nbytes):  # the values are not last: no layout (read always declines)
+                self.records = None
+                break
+            self.records.append((k, msgpack.packb(k) + rec[:cut], nbytes))
+        self.tail = msgpack.packb("extras") + msgpack.packb({})
+        self.size = len(self.head) + len(self.tail) + sum(len(p) + n for _, p, n in self.records or ())
+
+    def read(self, data: Any) -> PlainReport | None:
+        """The report in ``data`` (a message as received) if it is laid out as expected, else None."""
+        if type(data) is not bytes or self.records is None or not _F4_NATIVE:
+            return None
+        start = len(data) - self.size
+        # a fixmap of the head's pairs and these two (a report has at most eight fields)
+        if start < 1 or not 0x82 <= data[0] <= 0x8f or not data.startswith(self.head, start):
+            return None
+        pos = start + len(self.head)
+        where = []
+        for k, prefix, nbytes in self.records:
+            if not data.startswith(prefix, pos):
+                return None
+            pos += len(prefix)
+            where.append((k, pos, nbytes >> 2))
+            pos += nbytes
+        if not data.startswith(self.tail, pos):
+            return None
+        try:
+            d = msgpack.unpackb(bytes((data[0] - 2,)) + data[1:start], raw=False, strict_map_key=True,
+                                use_list=True)
+        except Exception:  # noqa: BLE001 - the general path unpacks it again and says what is wrong
+            return None
+        if type(d) is not dict or not d.keys() <= _HEAD_FIELDS:
+            return None
+        return _plain_fields(d, {k: np.frombuffer(data, np.float32, n, at) for k, at, n in where})
+
+
 _NO_EXTRAS: dict = {}
+_HEAD_FIELDS = _REPORT_FIELDS - {"tensors", "extras"}
 _F4_NATIVE = _NATIVE["f4"]
 
 
