@@ -164,8 +164,20 @@ def _memo(plan: DevicePlan) -> dict:
 
 
 def _sq(a: np.ndarray) -> float:
-    """sum of squares, as one BLAS dot (float32 accumulation is ample for a bound)."""
-    return float(np.vdot(a, a))  # flattens a contiguous array without a copy
+    """sum of squares, as one BLAS dot (float32 accumulation is ample for a bound). scipy's sdot where it can:
+    np.vdot costs four times as much per call (1.7 against 0.4 us), and ingest calls this for every tensor of
+    every report. Both paths of ingest (update_norm, admit_plain) call this one function, so they agree to the
+    bit whichever it uses."""
+    if _sdot is None or a.dtype != np.float32:
+        return float(np.vdot(a, a))  # flattens a contiguous array without a copy
+    x = a if a.ndim == 1 else a.reshape(-1)
+    return _sdot(x, x)
+
+
+try:  # scipy comes with scikit-learn, which the coordinator needs
+    from scipy.linalg.blas import sdot as _sdot
+except ImportError:  # pragma: no cover
+    _sdot = None
 
 
 def _expected(plan: DevicePlan) -> dict[str, tuple[tuple[int, ...], str, bool]]:
@@ -348,8 +360,9 @@ def admit_plain(plan: DevicePlan, report: PlainReport, rules: AdmissionRules,
     total = 0.0
     diffs = {}
     w_max = _max_abs(plan)
+    flat = per_checks(plan, "flat", _flat_weights)
     for k, v in report.values.items():
-        d = np.subtract(v, plan.weights[k].reshape(-1))
+        d = np.subtract(v, flat[k])
         sq = _sq(d)
         if not math.isfinite(sq) or w_max[k] + math.sqrt(sq) > rules.max_abs_value:
             return None
@@ -360,3 +373,7 @@ def admit_plain(plan: DevicePlan, report: PlainReport, rules: AdmissionRules,
     if bound is not None and norm > bound:
         return None
     return diffs, norm
+
+
+def _flat_weights(plan: DevicePlan) -> dict[str, np.ndarray]:
+    return {k: w.reshape(-1) for k, w in plan.weights.items()}

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from coordinator.admission import (AdmissionRules, _expected, _max_abs, check_key, plain_expected, plan_norm,
-                                   share_memo)
+from coordinator.admission import (AdmissionRules, _expected, _flat_weights, _max_abs, check_key, per_checks,
+                                   plain_expected, plan_norm, share_memo)
 from coordinator.daemon import ProgramCatalog
 from coordinator.registry import Registry
 from coordinator.rounds import (ADMISSION_KEY, Persist, Publish, RoundCommitted, RoundConfig, RoundMachine,
@@ -328,11 +328,12 @@ def test_per_device_plans_of_a_round_compute_the_checks_on_their_shared_weights_
     memo = plans[0].__dict__["_admission_memo"]
     assert all(p.__dict__["_admission_memo"] is memo for p in plans)
     w = plans[0].weights
-    assert sorted(k[0] for k in memo) == ["max_abs", "max_report_bytes", "norm"]  # each once, not per device
+    assert sorted(k[0] for k in memo) == ["flat", "max_abs", "max_report_bytes", "norm"]  # once, not per device
     assert len(o.plain) == 1  # the fast path's decision and shapes
     for k, a in w.items():
         assert _max_abs(plans[-1])[k] == float(np.abs(a).max())
-    assert plan_norm(plans[-1]) == np.sqrt(sum(float(np.vdot(a, a)) for a in w.values()))
+    ref = np.sqrt(sum(float(np.vdot(a, a)) for a in (a.astype(np.float64) for a in w.values())))
+    assert plan_norm(plans[-1]) == pytest.approx(ref, rel=1e-6)  # (summed in float32)
 
 
 def _shared_plan():
@@ -363,6 +364,8 @@ def test_plans_sharing_a_memo_with_other_arrays_get_their_own_values():
         assert _max_abs(a)[k] * 3 == pytest.approx(_max_abs(b)[k], rel=1e-6)
     assert plan_norm(a) * 3 == pytest.approx(plan_norm(b), rel=1e-6)
     assert _max_abs(a)["fc0.weight"] == float(np.abs(a.weights["fc0.weight"]).max())
+    for p in (a, b):  # the flat views admit_plain subtracts are of the plan's own arrays
+        assert all(np.shares_memory(v, p.weights[k]) for k, v in per_checks(p, "flat", _flat_weights).items())
 
 
 def test_sampled_uploads_of_differences_take_the_general_path(catalog):

@@ -71,6 +71,7 @@ class Accumulator:
 
     def add_update(self, k: str, base: np.ndarray, d: np.ndarray, n: float) -> None:
         """Add n (W + d) to tensor ``k``'s sum, with ``base`` = W (float32, as is ``d``, of the tensor's shape)."""
+        x = d if d.ndim == 1 else d.reshape(-1)
         p = self._pending.get(k)
         if p is not None and p[1] is not base:
             self._fold(k)
@@ -79,13 +80,13 @@ class Accumulator:
             buf = self._buffers.get(k)
             if buf is None or buf.size != base.size:
                 buf = self._buffers[k] = np.empty(base.size, np.float32)
-            np.multiply(d.reshape(-1), np.float32(n), out=buf)  # = saxpy into zeros, in one pass
+            np.multiply(x, np.float32(n), out=buf)  # = saxpy into zeros, in one pass
             p = self._pending[k] = [buf, base, n, 1]
         else:
             if _saxpy is not None:
-                _saxpy(d.reshape(-1), p[0], a=n)  # one BLAS pass, y += a x in float32
+                _saxpy(x, p[0], a=n)  # one BLAS pass, y += a x in float32
             else:
-                p[0] += np.float32(n) * d.reshape(-1)
+                p[0] += np.float32(n) * x
             p[2] += n
             p[3] += 1
         if p[3] >= FOLD:
