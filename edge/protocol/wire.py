@@ -985,7 +985,8 @@ class PlainLayout:
     def __init__(self, expected: Mapping[str, tuple[list[int], int]]):
         packer = msgpack.Packer(use_bin_type=True)
         self.head = msgpack.packb("tensors") + packer.pack_map_header(len(expected))
-        self.records: list[tuple[str, bytes, int]] = []  # name, the record's bytes before its values, value bytes
+        # name, the record's bytes before its values, value bytes (None: this encoder's records cannot be read so)
+        self.records: list[tuple[str, bytes, int]] | None = []
         for k, (shape, nbytes) in expected.items():
             rec = msgpack.packb(pack_update(TensorUpdate(shape, np.zeros(shape, np.float32))), use_bin_type=True)
             cut = len(rec) - nbytes
