@@ -168,7 +168,7 @@ def _sq(a: np.ndarray) -> float:
     np.vdot costs four times as much per call (1.7 against 0.4 us), and ingest calls this for every tensor of
     every report. Both paths of ingest (update_norm, admit_plain) call this one function, so they agree to the
     bit whichever it uses."""
-    if _sdot is None or a.dtype != np.float32:
+    if _sdot is None or a.dtype != np.float32 or not a.size:  # (sdot refuses an empty array: a pruned tensor)
         return float(np.vdot(a, a))  # flattens a contiguous array without a copy
     x = a if a.ndim == 1 else a.reshape(-1)
     return _sdot(x, x)

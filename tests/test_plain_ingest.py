@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from coordinator.admission import (AdmissionRules, _expected, _flat_weights, _max_abs, check_key, per_checks,
+from coordinator.admission import (AdmissionRules, _expected, _flat_weights, _max_abs, _sq, check_key, per_checks,
                                    plain_expected, plan_norm, share_memo)
 from coordinator.daemon import ProgramCatalog
 from coordinator.registry import Registry
@@ -628,3 +628,10 @@ def test_the_layout_checks_the_fields_before_the_tensors(catalog, head):
     assert wire.PlainLayout(e).read(payload) is None
     with pytest.raises(wire.WireError):
         wire.decode(payload, expect=("report",), finite_updates=False)
+
+
+def test_the_sum_of_squares_takes_any_array_a_report_can_hold():
+    """Empty (a pruned tensor), 2-d, strided and float64 arrays: each tensor's norm goes through _sq."""
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) - np.float32(5.5)
+    for x in (np.zeros(0, np.float32), np.zeros((0, 3), np.float32), a, a[:, ::2], a.T, a.astype(np.float64)):
+        assert _sq(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-6, abs=0.0)
