@@ -146,6 +146,18 @@ def test_fedavg_and_fedprox_step_to_the_sample_weighted_mean(cls):
             close(new.weights[k], m, atol=1e-5)
 
 
+def test_the_float32_buffer_takes_an_empty_tensor():
+    """A tensor pruned to no rows goes through the buffer's path like any other (BLAS refuses empty arrays)."""
+    from coordinator.strategies.fedavg import FOLD, Accumulator
+    w, e = np.ones(3, np.float32), np.zeros((0, 4), np.float32)
+    acc = Accumulator({"w": np.zeros(3), "e": np.zeros((0, 4))})
+    for _ in range(FOLD + 2):
+        acc.add_update("w", w, np.full(3, 0.5, np.float32), 2.0)
+        acc.add_update("e", e, e, 2.0)
+    assert acc.sums["e"].shape == (0, 4)
+    assert np.array_equal(acc.sums["w"], np.full(3, (FOLD + 2) * 2.0 * 1.5))
+
+
 @pytest.mark.parametrize("blas", [True, False])
 def test_fedavg_sums_many_reports_to_float64_precision_through_its_float32_buffer(blas, monkeypatch):
     """The weighted sum over more reports than the float32 buffer holds (Accumulator.FOLD), reports on the

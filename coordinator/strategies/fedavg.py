@@ -71,6 +71,8 @@ class Accumulator:
 
     def add_update(self, k: str, base: np.ndarray, d: np.ndarray, n: float) -> None:
         """Add n (W + d) to tensor ``k``'s sum, with ``base`` = W (float32, as is ``d``, of the tensor's shape)."""
+        if not base.size:  # a pruned tensor: nothing to add (and scipy's BLAS refuses an empty array)
+            return
         x = d if d.ndim == 1 else d.reshape(-1)
         p = self._pending.get(k)
         if p is not None and p[1] is not base:
