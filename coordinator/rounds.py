@@ -522,7 +522,8 @@ class RoundMachine:
         return None if known[1] is None else (plan, known[1], known[2])
 
     def _fast(self, ident: str, raw: bytes, limit: int, now: float) -> tuple[list[Action] | None, Any]:
-        """A whole report of a selected device through ingest's fast path: read in place
+        """A message on a selected device's report topic (a whole report, or one chunk of one, which the layout
+        and plain_report decline at once) through ingest's fast path: read in place
         (:class:`wire.PlainLayout`) if it is laid out as :func:`wire.encode` writes it, else from msgpack's map
         (:func:`wire.plain_report`). Returns the actions if the fast path took it, else None and msgpack's map
         of the message for the general path (unpacking raises WireError for what cannot be unpacked)."""
