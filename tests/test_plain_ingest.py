@@ -635,3 +635,28 @@ def test_the_sum_of_squares_takes_any_array_a_report_can_hold():
     a = np.arange(12, dtype=np.float32).reshape(3, 4) - np.float32(5.5)
     for x in (np.zeros(0, np.float32), np.zeros((0, 3), np.float32), a, a[:, ::2], a.T, a.astype(np.float64)):
         assert _sq(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-6, abs=0.0)
+
+
+def test_the_layout_declines_every_single_byte_changed_after_the_head(catalog):
+    """Each byte from ``tensors`` to the end of the message (but the values), changed on its own: the layout
+    declines, or reads exactly what decode reads (deterministic, where the hypothesis test above samples)."""
+    m = _plain_machine(catalog)
+    e = plain_expected(m.open.plans["d0"])
+    d = _report_map(m, "d0")
+    payload = _pack(d)
+    values = set()
+    for rec in d["tensors"].values():
+        at = payload.find(rec["x"]["b"])
+        values.update(range(at, at + len(rec["x"]["b"])))
+    layout = wire.PlainLayout(e)
+    read = 0
+    for i in range(payload.index(b"\xa7tensors"), len(payload)):
+        if i in values:
+            continue
+        for b in (payload[i] ^ 1, payload[i] ^ 0x80):
+            changed = payload[:i] + bytes((b,)) + payload[i + 1:]
+            p = layout.read(changed)
+            if p is not None:
+                read += 1
+                _same_report(p, _decode(changed), e)
+    assert read == 0  # every such byte is part of what the layout compares
