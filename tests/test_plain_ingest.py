@@ -545,6 +545,18 @@ def test_plain_report_refuses_ids_that_decode_refuses(catalog, field, value):
 
 # ---------------------------------------------------------------- reading in place (wire.PlainLayout)
 
+def _message_and_its_values(catalog) -> tuple[dict, bytes, set[int]]:
+    """d0's plain report as expected, as bytes, and the positions of its values in them."""
+    m = _plain_machine(catalog)
+    d = _report_map(m, "d0")
+    payload = _pack(d)
+    values = set()
+    for rec in d["tensors"].values():
+        at = payload.find(rec["x"]["b"])
+        values.update(range(at, at + len(rec["x"]["b"])))
+    return plain_expected(m.open.plans["d0"]), payload, values
+
+
 def _decode(payload: bytes) -> Report:
     return wire.decode(payload, expect=("report",), finite_updates=False)  # raises if the reader read too much
 
@@ -590,14 +602,7 @@ def test_the_layout_leaves_other_encoders_to_the_map(catalog, change):
 def test_the_layout_never_reads_what_decode_refuses_in_changed_bytes(catalog, data):
     """A byte of the message's structure (anything but the values) set, inserted or deleted: the layout
     declines, or reads exactly what decode reads."""
-    m = _plain_machine(catalog)
-    e = plain_expected(m.open.plans["d0"])
-    d = _report_map(m, "d0")
-    payload = _pack(d)
-    values = set()
-    for rec in d["tensors"].values():
-        at = payload.find(rec["x"]["b"])
-        values.update(range(at, at + len(rec["x"]["b"])))
+    e, payload, values = _message_and_its_values(catalog)
     structure = [i for i in range(len(payload)) if i not in values]
     changed = bytearray(payload)
     for _ in range(data.draw(st.integers(1, 3))):
@@ -640,14 +645,7 @@ def test_the_sum_of_squares_takes_any_array_a_report_can_hold():
 def test_the_layout_declines_every_single_byte_changed_after_the_head(catalog):
     """Each byte from ``tensors`` to the end of the message (but the values), changed on its own: the layout
     declines, or reads exactly what decode reads (deterministic, where the hypothesis test above samples)."""
-    m = _plain_machine(catalog)
-    e = plain_expected(m.open.plans["d0"])
-    d = _report_map(m, "d0")
-    payload = _pack(d)
-    values = set()
-    for rec in d["tensors"].values():
-        at = payload.find(rec["x"]["b"])
-        values.update(range(at, at + len(rec["x"]["b"])))
+    e, payload, values = _message_and_its_values(catalog)
     layout = wire.PlainLayout(e)
     read = 0
     for i in range(payload.index(b"\xa7tensors"), len(payload)):
