@@ -35,8 +35,11 @@ ROUNDS = 10
 
 def _run(tmp_path, broker, *, hostile: bool) -> tuple[int, list[dict], dict, list[str], str]:
     work = tmp_path / ("attacked" if hostile else "clean")
+    # IID shards: who is picked depends on timing, and with label-skewed shards that alone moved the last rounds'
+    # accuracy by up to 0.06 (and the attacked run, whose d0007 never contributes, lost a class's share). With IID
+    # shards 8 pairs of runs agreed within 0.006, so a tight margin below can catch a model an attack degraded.
     cfg = SimConfig(devices=8, clients_per_round=4, over_selection=1.25, rounds=ROUNDS, epochs=5, hidden=(32,),
-                    workdir=str(work), fleet="f" + ("h" if hostile else "c"), seed=1)
+                    workdir=str(work), fleet="f" + ("h" if hostile else "c"), seed=1, partition="iid")
     specs, data = prepare(cfg)
     save_npz(work / "test.npz", data.x_test, data.y_test)
     state = work / "state.sqlite"
@@ -107,5 +110,5 @@ def test_attacks_during_a_real_run_leave_the_coordinator_up_and_the_model_sound(
     assert all(np.isfinite(w).all() for w in weights.values())
     assert len(sent) >= 3, f"the hostile device tried only {sent}"
     acc, acc_clean = np.mean([r["accuracy"] for r in rows[-3:]]), np.mean([r["accuracy"] for r in clean[-3:]])
-    assert acc >= acc_clean - 0.06, (acc, acc_clean)  # the rest is which honest devices were picked
+    assert acc >= acc_clean - 0.02, (acc, acc_clean)
     assert all("d0007" not in r["accepted"] for r in rows if r["accepted"])  # nothing of it was admitted
