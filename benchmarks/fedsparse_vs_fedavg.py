@@ -182,7 +182,7 @@ def methods(lr: float, only: list[str] | None = None, schedule: dict | None = No
     """label -> strategy, fixed kwargs, the tuned knob and its three values, and the selection rule. ``schedule``
     overrides the earned presets' round schedule (anneal_from, anneal_rounds, lambda0_ramp) for shorter runs."""
     out = {
-        "fedavg": {"strategy": "fedavg", "kw": {}, "knob": "server_lr", "values": [0.5, 1.0, 2.0], "rule": "acc"},
+        "fedavg": {"strategy": "fedavg", "kw": {}, "knob": "server_lr", "values": [4.0, 8.0, 16.0], "rule": "acc"},
         "fedl1": {"strategy": "fedl1", "kw": {"server_opt": "adam", "server_lr": lr}, "knob": "l1",
                   "values": [2e-3, 1e-2, 2e-2], "rule": "bytes"},
         "fedsparse-paper": {"strategy": "fedsparse", "kw": {"preset": "paper", "server_lr": lr}, "knob": "lambda0",

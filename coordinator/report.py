@@ -36,13 +36,14 @@ def plot_accuracy_vs_bytes(runs: list[tuple[str, list[dict]]], path: str | Path,
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     left = None
-    for label, rows in runs:
+    for i, (label, rows) in enumerate(runs):
         mb = np.cumsum([r["bytes_down"] + r["bytes_up"] for r in rows]) / 1e6
         acc = np.array([r["accuracy"] for r in rows], float)
         if smooth > 1 and len(acc) >= smooth:
             acc = np.convolve(acc, np.ones(smooth) / smooth, mode="valid")
             mb = mb[smooth - 1:]
-        ax.plot(mb, acc, marker="." if len(rows) <= 60 else None, lw=1.4, label=label)
+        # past the ten colours of the cycle, a dashed line: two runs must never look alike
+        ax.plot(mb, acc, marker="." if len(rows) <= 60 else None, lw=1.4, label=label, ls="-" if i < 10 else "--")
         if ylim is not None and (acc >= ylim[0]).any():
             first = mb[np.argmax(acc >= ylim[0])]
             left = first if left is None else min(left, first)
