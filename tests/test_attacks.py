@@ -36,8 +36,8 @@ ROUNDS = 10
 def _run(tmp_path, broker, *, hostile: bool) -> tuple[int, list[dict], dict, list[str], str]:
     work = tmp_path / ("attacked" if hostile else "clean")
     # IID shards: who is picked depends on timing, and with label-skewed shards that alone moved the last rounds'
-    # accuracy by up to 0.06 (and the attacked run, whose d0007 never contributes, lost a class's share). With IID
-    # shards 8 pairs of runs agreed within 0.006, so a tight margin below can catch a model an attack degraded.
+    # accuracy by up to 0.06 (and the attacked run, whose d0007 never contributes, lost that device's labels). With
+    # IID shards 4 pairs of runs agreed within 0.006, so a tight margin below can catch a model an attack degraded.
     cfg = SimConfig(devices=8, clients_per_round=4, over_selection=1.25, rounds=ROUNDS, epochs=5, hidden=(32,),
                     workdir=str(work), fleet="f" + ("h" if hostile else "c"), seed=1, partition="iid")
     specs, data = prepare(cfg)
