@@ -6,8 +6,12 @@ the bound for random supports, and an enumerative rank is exactly ceil(log2 C(n,
 small, so the encoder tries every format and keeps the smallest. Values can go at 32, 16 or 8 bits;
 int8 uses stochastic rounding so that the server's average stays unbiased.
 
-The formats below are all a decoder needs (Kotlin, Swift, C). Nothing here touches the network: the
-container (fedge's wire, ``edge/protocol/wire.py``) carries the kind and the sizes.
+The byte layouts are specified in docs/protocol.md, which is normative: section 5 (the mask formats:
+bitmask, index16/index32, Golomb-coded gaps with the integer estimate of M, enumerative rank) and section 6
+(the value formats f4, f2, bf16, q8, q8r, and how each encoder rounds). This module implements them; where
+the two disagree, one is a bug. The conformance vectors (firmware_tests/protocol, edge/protocol/vectors.py)
+pin each format, and tests/test_protocol_vectors.py reads them with a decoder written from the spec's text.
+Nothing here touches the network: the container (``edge/protocol/wire.py``) carries the kind and the sizes.
 
 Not here: arithmetic coding of a mask against per-row keep probabilities. A range coder is sequential
 (in numpy, a Python step per row: about a second per 10^6 rows, where the Golomb code runs at 50-2000
@@ -16,87 +20,9 @@ training; and what it saves below log2 C(n, k) is what those probabilities know 
 bytes for a group mask of a few hundred rows next to its values. A mask drawn from known probabilities
 and a seed is cheaper still sent as the seed.
 
-Conventions
------------
-* A byte string has exactly the stated length: a decoder refuses short or trailing bytes.
-* Multi-byte numbers are little-endian, except the enumerative rank (big-endian, one unsigned integer).
-* Bit streams are MSB-first: bit ``j`` of a stream is ``(byte[j >> 3] >> (7 - (j & 7))) & 1`` (numpy's
-  ``packbits`` order). A stream is padded with zero bits to a whole byte; the padding (fewer than 8
-  bits) must be zero.
-* Masks cover the rows (axis 0) of a tensor. ``n`` is the number of rows (``0 <= n < 2**31``) and
-  ``k`` the number of active rows. Both are known to the decoder from the container (in fedge, ``n``
-  is the tensor's ``shape[0]`` and ``k`` the number of rows in its value array), so no mask format
-  repeats them.
-* ``K = min(k, n - k)``. The *minority rows* are the active rows if ``k <= n - k``, else the inactive
-  rows. The golomb and enum formats carry the minority rows, so a mask of 90% ones costs what a mask
-  of 10% ones costs. Rows are 0-based.
-
-Mask formats
-------------
-``bitmask`` (wire field ``m``)
-    ``ceil(n / 8)`` bytes: row ``i`` is bit ``i`` of the stream, 1 = active.
-``index16`` / ``index32`` (wire field ``i``, with ``w`` = 2 or 4)
-    The ``k`` active rows, strictly increasing, each a uint16 (only when ``n <= 65536``) or uint32.
-``golomb`` (wire field ``g``)
-    Empty when ``K = 0``. Otherwise one bit stream of four consecutive sections:
-
-    1. The Golomb parameter ``M``, as an offset from an estimate both sides compute in integers:
-       ``M0 = max(1, (n * 1488522236 + K * 2**30) // (K * 2**31))`` (``round(n ln 2 / K)``; the
-       products fit in a signed 64-bit integer). ``d = M - M0`` is zigzagged (``z = 2d`` if
-       ``d >= 0`` else ``-2d - 1``) and ``v = z + 1`` is written in Elias gamma: ``bitlen(v) - 1``
-       zero bits, then ``v`` in ``bitlen(v)`` bits, MSB first. ``d = 0`` costs one bit. A decoder
-       refuses more than 40 leading zeros and any ``M`` outside ``1..n``.
-    2. Let ``c_0 < ... < c_{K-1}`` be the minority rows, gaps ``g_0 = c_0`` and
-       ``g_i = c_i - c_{i-1} - 1``, quotients ``q_i = g_i // M`` and remainders ``r_i = g_i % M``.
-       With ``b = ceil(log2 M)`` (``b = 0`` for ``M = 1``) and ``u = 2**b - M``, the remainder's
-       truncated-binary code is ``r_i`` in ``b - 1`` bits if ``r_i < u``, else ``r_i + u`` in ``b``
-       bits. Its first ``b - 1`` bits are ``h_i = r_i`` if ``r_i < u``, else ``(r_i + u) >> 1``.
-       Section A is ``h_0 .. h_{K-1}``, ``b - 1`` bits each, MSB first (nothing if ``M <= 2``).
-    3. Section B: for each ``i`` with ``h_i >= u``, in order, the bit ``(r_i + u) & 1`` (nothing if
-       ``M = 1``). A decoder recovers ``r_i = h_i`` if ``h_i < u``, else ``2 h_i + e - u``.
-    4. Section C: for each ``i``, ``q_i`` one bits then one zero bit.
-
-    Then zero padding. The sections are the usual interleaved Golomb codewords reordered, so the
-    length is the same, but a decoder can split them without a per-codeword loop: A has a known
-    length, B's length is the number of ``h_i >= u``, and C ends at its ``K``-th zero bit. A decoder
-    refuses a stream whose rows pass ``n - 1``.
-``enum`` (wire field ``e``), only for ``K <= 64``
-    The combinatorial rank ``R = sum_{j=1..K} C(c_{j-1}, j)`` of the minority rows (with
-    ``C(a, b) = 0`` for ``a < b``), ``0 <= R < C(n, K)``, big-endian in ``ceil(L / 8)`` bytes where
-    ``L`` is the bit length of ``C(n, K) - 1`` (so zero bytes when ``K = 0``). Decoding: for
-    ``j = K .. 1``, ``c_{j-1}`` is the largest ``c`` with ``C(c, j) <= R``, then ``R -= C(c_{j-1}, j)``.
-    The integers reach ``64 * 31`` bits: a decoder needs add, subtract, compare, and multiply or
-    exactly divide by a small integer (``C(c, j) = C(c - 1, j - 1) * c / j``).
-
-Value formats
--------------
-An array of ``count = prod(shape)`` values, row-major; the container carries the shape. ``f2`` decodes
-as float16, every other format as float32.
-
-``f4``
-    ``count`` IEEE binary32. Bit-exact.
-``f2``
-    ``count`` IEEE binary16, rounded to nearest even; magnitudes above 65504 saturate to +-65504.
-``bf16``
-    ``count`` uint16: the high half of the value's binary32 bit pattern, rounded to nearest even
-    (or stochastically, see below); values that would round to infinity saturate to +-(2 - 2**-7) 2**127.
-``q8``
-    A binary32 scale ``s`` (finite, ``>= 0``), then ``count`` int8 (two's complement) ``q`` in
-    ``-127..127``. The value is ``q * s``, one binary32 multiplication.
-``q8r``
-    ``shape[0]`` binary32 scales (one per row), then ``count`` int8. Element ``j`` of row ``i`` is
-    ``q * s_i``. For ``shape = (n,)`` every element is its own row.
-
-A decoder refuses non-finite values and scales, negative scales and ``q = -128``.
-
-Stochastic rounding (``q8``, ``q8r``, ``bf16``). With ``t = x / s`` in float64, ``q = floor(t + U)``
-and ``U ~ Uniform[0, 1)`` from the generator the caller passes (on a device, a stream of the plan's
-seed), so ``E[q] = t`` and ``E[q * s] = x``. The encoder rounds ``s`` up to at most 17 significant
-bits and at least ``max|x| / 127``, so ``|t| <= 127`` and every ``q * s`` is an exact binary32: the
-decoded value carries no rounding of its own, and the mean equals ``x`` to float64 precision.
-``bf16`` adds a uniform integer in ``0 .. 2**16 - 1`` to the low 31 bits (sign excluded) of the binary32
-pattern and keeps the high half: the same rule in units of the last bf16 place (nearest even adds
-``0x7FFF`` plus bit 16 instead).
+Terms used below, as in the spec: ``n`` rows (a tensor's ``shape[0]``), ``k`` active rows, ``K = min(k, n - k)``
+and the *minority rows* (the active rows if ``k <= n - k``, else the inactive ones), which the golomb and
+enum formats carry.
 """
 from __future__ import annotations
 
