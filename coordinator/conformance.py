@@ -12,8 +12,10 @@ A step whose prerequisites failed is reported as ``SKIP``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -49,9 +51,12 @@ STEPS = {
     "rejected": "a 'rejected' ack ends the report like any other: check-in, no resends",
     "f2_delta": "the first plan again, asking for upload dtype f2 with deltas, gets float16 values equal (within "
                 "1e-3) to the first report minus the plan's weights",
+    "train_maths": "(needs --data, the device's data) a FedAvg plan of 3 full-batch epochs at lr 0.3 from weights "
+                   "at twice the usual scale gives the weights the driver computes itself (float64: ReLU MLP, "
+                   "softmax cross-entropy averaged over rows, plain SGD), within a float32 error bound",
     "refuse_bad_plans": "garbage, v = 2, an unknown field, another device's id, a program that does not match "
-                        "its hash and a passed deadline are dropped: no training, no report, and the device still "
-                        "answers",
+                        "its hash and a passed deadline (a task of its own) are dropped: no training, no report, "
+                        "and the device still answers",
     "refuse_unknown_hparam": "a plan with a hyperparameter the algorithm does not know ends with a check-in "
                              "naming it, and no report",
     "last_will": "when the relay (--proxy) cuts its connection, the broker publishes the device's retained "
@@ -76,8 +81,8 @@ class Options:
     broker: str
     device: str
     fleet: str = "default"
-    sizes: tuple[int, ...] = (4, 8, 2)
-    program: bytes | None = None  # for a runtime other than torch
+    sizes: tuple[int, ...] | None = None  # None: (features, 8, classes) of ``data``, else (4, 8, 2)
+    program: bytes | None = None  # for a runtime other than torch (None: the driver exports one)
     timeout_s: float = 20.0  # for anything the device must do (train, report, check in)
     resend_within_s: float = 20.0  # the first resend comes ack_timeout_s after the send (5 s by default)
     quiet_s: float = 2.0  # how long "nothing happens" is watched
@@ -85,6 +90,7 @@ class Options:
     first_wait_s: float = 0.0  # how long the first check-in may take (a device started after the driver)
     only: tuple[str, ...] = ()
     lr: float = 0.1
+    data: tuple[np.ndarray, np.ndarray] | str | os.PathLike | None = None  # the device's (x, y), or its .npz
 
 
 class Session:
@@ -251,11 +257,18 @@ class Proxy:
 class Driver:
     """The scripted session; each ``step_<name>`` raises StepFailed with what went wrong, or returns a detail."""
 
-    def __init__(self, o: Options, proxy: Proxy | None = None):
+    def __init__(self, o: Options, proxy: Proxy | None = None, out: Callable[[str], None] = print):
         self.o = o
         self.proxy = proxy
+        self.out = out
+        if isinstance(o.data, (str, os.PathLike)):
+            from edge.runtime.data import load_npz
+            o = self.o = dataclasses.replace(o, data=load_npz(o.data))
+        self.sizes = o.sizes or (data_sizes(*o.data) if o.data is not None else (4, 8, 2))
+        if o.data is not None and misfit(self.sizes, *o.data):
+            raise ValueError(misfit(self.sizes, *o.data))
+        self.spec = mlp(list(self.sizes))
         self.s = Session(o)
-        self.spec = mlp(list(o.sizes))
         self.checkin: CheckIn | None = None
         self.runtime = "torch"
         self.program = o.program
@@ -304,13 +317,39 @@ class Driver:
         self.s.send_msg(plan, chunk_bytes=chunk_bytes)
         g = self.s.wait(self.is_kind("report", task_id=plan.task_id), t0, self.o.timeout_s)
         if g is None:
-            trained = self.s.during(lambda g: g.kind == "status" and g.msg.state == "training", t0, time.time())
-            self.fail(f"no report for {plan.task_id} within {self.o.timeout_s:g} s"
-                      + ("" if trained else " (no 'training' status either: the plan was not accepted)"))
+            self.fail(f"no report for {plan.task_id} within {self.o.timeout_s:g} s{self.why_no_report(plan, t0)}")
         self.reported.setdefault(plan.task_id, g)
         if self.checkin is not None:  # the program is now held
             self.checkin.programs = sorted(set(self.checkin.programs) | {plan.program_hash})
         return g
+
+    def settle(self) -> None:
+        """Ack every report not acked yet (a run with --only may leave one), so the device takes the next plan."""
+        for task in [t for t in self.reported if t not in self.acked]:
+            t0 = time.time()
+            self.s.send_msg(Ack(task, self.o.device, "accepted"))
+            self.acked.add(task)
+            if ci := self.s.wait(self.is_kind("checkin", last_task=task), t0, self.o.timeout_s):
+                self.checkin = ci.msg
+
+    def why_no_report(self, plan: Plan, t0: float) -> str:
+        """What the device's messages since ``t0`` say about a plan that got no report."""
+        ci = self.s.wait(self.is_kind("checkin", last_task=plan.task_id), t0, 0.0)
+        trained = self.s.during(lambda g: g.kind == "status" and g.msg.state == "training", t0, time.time())
+        mlp_ = "-".join(map(str, self.sizes))
+        if ci is not None:
+            self.checkin = ci.msg
+            if plan.program is not None and plan.program_hash not in ci.msg.programs:
+                return (f": the device checked in naming the task without taking its program "
+                        f"{plan.program_hash[:12]} (its check-in lists {len(ci.msg.programs)} programs)")
+            data = (" (the driver's --data fits it: a failure of the device's own)" if self.o.data is not None else
+                    f": probably the MLP {mlp_} does not fit its data (give --data FILE, the device's .npz, or "
+                    f"--sizes features,hidden...,classes)")
+            return (f": the device {'said training, then ' if trained else ''}checked in naming the task, so it "
+                    f"{'failed' if trained else 'refused or failed'} the plan{data}")
+        if not trained:
+            return " (no 'training' status and no check-in naming the task either: the plan was not accepted)"
+        return " (it said 'training' and then nothing: still training, or lost the report)"
 
     def check_report(self, plan: Plan, r: Report, dtype: str, delta: bool, like: Report | None = None) -> str:
         if r.n_samples != self.checkin.n_samples:
@@ -369,11 +408,23 @@ class Driver:
         self.checkin = ci
         self.runtime = str(caps.get("runtime", "torch"))
         if self.program is None:
-            if self.runtime != "torch":
-                self.fail(f"runtime {self.runtime}: give --program (an exported {self.runtime} program for "
-                          f"an MLP {'-'.join(map(str, self.o.sizes))})")
-            self.program = torch_program(self.spec).data
+            self.program = self.export_program()
         return f"runtime {self.runtime}, n = {ci.n_samples}, {len(ci.programs)} programs, caps {sorted(caps)}"
+
+    def export_program(self) -> bytes:
+        """The program of the plans' MLP for the device's runtime: torch's JSON, or exported for ort and
+        executorch with the coordinator daemon's tooling (export.build, optional: imported only here)."""
+        if self.runtime == "torch":
+            return torch_program(self.spec).data
+        mlp_ = "-".join(map(str, self.sizes))
+        self.out(f"exporting the {self.runtime} program for the MLP {mlp_}"
+                 + (" (ExecuTorch takes about 25 s)" if self.runtime == "executorch" else ""))
+        try:
+            from export.build import build_program
+            return build_program(self.spec, self.runtime).data
+        except Exception as e:  # noqa: BLE001 - an exporter missing or failing is this step's finding
+            self.fail(f"runtime {self.runtime}: exporting its program failed ({type(e).__name__}: {e}); give "
+                      f"--program (an exported {self.runtime} program for the MLP {mlp_})")
 
     def _retained_now(self, state: str) -> bool:
         """Whether a fresh subscriber gets a retained status in ``state`` now."""
@@ -503,10 +554,46 @@ class Driver:
         self.ends_report(plan.task_id, t0)
         return detail
 
+    def step_train_maths(self) -> str:
+        if self.o.data is None:
+            self.fail("needs --data FILE (the device's .npz with x and y): the driver computes the training itself")
+        x, y = self.o.data
+        if len(x) != self.checkin.n_samples:
+            self.fail(f"--data has {len(x)} rows, the device checked in n = {self.checkin.n_samples}: not its data")
+        self.settle()
+        epochs, lr, scale = 3, 0.3, 2.0
+        plan = self.new_plan(hparams={"lr": lr, "epochs": epochs, "batch_size": len(x)})
+        plan.weights = {k: (scale * v).astype(np.float32) for k, v in plan.weights.items()}
+        g = self.run_plan(plan)
+        self.check_report(plan, g.msg, "f4", False)
+        want, tol = reference_fedavg(plan.weights, x, y, lr, epochs)
+        got = {k: t.dense().astype(np.float64) for k, t in g.msg.tensors.items()}
+        t0 = time.time()
+        self.s.send_msg(Ack(plan.task_id, self.o.device, "accepted"))
+        self.ends_report(plan.task_id, t0)
+        worst = max(want, key=lambda k: float(np.abs(got[k] - want[k]).max()) / tol[k])
+        err = np.abs(got[worst] - want[worst])
+        at = np.unravel_index(int(err.argmax()), err.shape)
+        moved = max(float(np.abs(want[k] - plan.weights[k]).max()) for k in want)
+        what = (f"{epochs} full-batch steps at lr {lr:g} on n = {len(x)}: {worst}{[int(i) for i in at]} is "
+                f"{float(got[worst][at]):.6g}, the reference {float(want[worst][at]):.6g}")
+        if err.max() > tol[worst]:
+            dev = np.concatenate([(got[k] - plan.weights[k]).ravel() for k in want])
+            ref = np.concatenate([(want[k] - plan.weights[k]).ravel() for k in want])
+            cos = float(dev @ ref / (np.linalg.norm(dev) * np.linalg.norm(ref) + 1e-300))
+            ratio = float(np.linalg.norm(dev) / np.linalg.norm(ref))
+            self.fail(f"{what}: off by {err.max():.3g}, {err.max() / tol[worst]:.3g}x the float32 tolerance "
+                      f"{tol[worst]:.3g}; over all weights the device moved {ratio:.4g}x as far as the reference, "
+                      f"cosine {cos:.4f} (a wrong lr, sum instead of mean, another activation or loss?)")
+        weak = min(tol.values()) * 10 > moved
+        return (f"{what}, off by {err.max():.2g}, within {tol[worst]:.2g} (float32 bound); the weights moved up to "
+                f"{moved:.3g}" + (" (weakly: these data barely train the model)" if weak else ""))
+
     def step_refuse_bad_plans(self) -> str:
         t0 = time.time()
         good = self.new_plan()
-        sent = []
+        late = self.new_plan(deadline_s=-30.0)  # a task id of its own: a device that remembered good's task id
+        sent = []                               # (9.3 step 2) must still check the deadline (step 3)
         raw = msgpack_dict(wire.encode(good))
         for name, payload in (
             ("garbage", b"\x93garbage"),
@@ -514,7 +601,7 @@ class Driver:
             ("unknown field", pack({**raw, "priority": 1})),
             ("another device", wire.encode(self._replace(good, device_id=f"{self.o.device}-other"))),
             ("program not matching its hash", wire.encode(self._replace(good, program=b"not the program"))),
-            ("deadline passed", wire.encode(self._replace(good, deadline=time.time() - 10))),
+            ("deadline passed", wire.encode(late)),
         ):
             self.s.send("plan", payload)
             sent.append(name)
@@ -522,6 +609,14 @@ class Driver:
         bad = self.s.during(lambda g: g.kind == "report" or (g.kind == "status" and g.msg.state == "training"),
                             t0, time.time())
         if bad:
+            r = self.s.wait(self.is_kind("report", task_id=late.task_id), t0, self.o.timeout_s)
+            if r is not None:  # free the device for the steps after this one
+                t1 = time.time()
+                self.s.send_msg(Ack(late.task_id, self.o.device, "accepted"))
+                self.s.wait(self.is_kind("checkin", last_task=late.task_id), t1, self.o.timeout_s)
+            if r is not None:
+                self.fail(f"the plan whose deadline had passed ({late.task_id}, sent {t0 - late.deadline:.0f} s "
+                          f"after its deadline) was trained and reported")
             self.fail(f"a refused plan was trained ({bad[0].kind} {getattr(bad[0].msg, 'task_id', '')})")
         self.provoke_checkin()  # still answering
         return f"{len(sent)} bad plans dropped ({', '.join(sent)}); the device still answers"
@@ -570,6 +665,81 @@ class Driver:
         return q
 
 
+def data_sizes(x: np.ndarray, y: np.ndarray) -> tuple[int, ...]:
+    """The plans' MLP for these data: (features, 8, classes), at least 2 classes."""
+    return (int(np.shape(x)[1]), 8, max(2, int(np.max(y)) + 1))
+
+
+def misfit(sizes: tuple[int, ...], x: np.ndarray, y: np.ndarray) -> str | None:
+    """Why an MLP of ``sizes`` cannot train on (x, y), or None."""
+    mlp_ = "-".join(map(str, sizes))
+    if np.ndim(x) != 2 or sizes[0] != np.shape(x)[1]:
+        return f"the MLP {mlp_} takes {sizes[0]} features, the data have {np.shape(x)[1:]}"
+    if int(np.min(y)) < 0 or int(np.max(y)) >= sizes[-1]:
+        return f"the MLP {mlp_} has {sizes[-1]} classes, the data have labels {int(np.min(y))}..{int(np.max(y))}"
+    return None
+
+
+U32 = 2.0 ** -24  # float32's unit roundoff: every float32 result is the exact one times (1 + e), |e| <= U32
+
+
+def reference_fedavg(weights: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float, epochs: int
+                     ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """FedAvg's client on full batches, written out here in float64 (not fedge's trainers): ``epochs`` steps of
+    ``W <- W - lr * dL/dW`` on an MLP ``fc{i}`` (``z = a W^T + b``, ReLU between layers, none after the last),
+    L = the mean over the n rows of the softmax cross-entropy -log softmax(z)[y]. With one batch of all rows,
+    the batch order the device draws changes nothing but the order of its sums.
+
+    Returns the weights and, per tensor, the tolerance for a device computing in float32. The derivation
+    (first-order rounding analysis, Higham, "Accuracy and Stability of Numerical Algorithms", 3.1 and 3.5):
+    - A float32 sum or dot product of K terms is off by at most gamma_K |terms| = K * U32 * sum_i |term_i|.
+      The longest chain of sums behind one gradient entry is the mean over the n rows plus the widths the
+      forward and the backward pass through, K = n + sum(sizes); the errors the forward leaves in the
+      activations are relative to the same magnitudes, so one step's gradient g is off by at most
+      2 K U32 G, where G is the gradient computed with the absolute value of every factor. We bound
+      |dL/dz| of the logits by 1/n per entry (|softmax - onehot| <= 1), which also covers the error the
+      forward's rounding puts into the softmax, and propagate it back through |W| and the ReLU mask.
+    - The step's own rounding adds U32 |W| (the subtraction and the stored result) and lr * U32 |g|.
+    - The errors of the ``epochs`` steps add up (first order: the step's Jacobian I - lr H is close to I at
+      these sizes); a factor of 2 covers what later steps amplify and the final rounding to f4. So
+      tol = 2 * sum over steps of max(U32 |W| + lr (2 K U32 G + U32 |g|)) + U32 max |W_final|.
+    A correct float32 device lands far inside it (its errors grow like sqrt(K), not K); a wrong lr, a sum
+    instead of the mean or another activation moves the weights by a fraction of what training moves them,
+    orders of magnitude more than this bound (the step says so when the data barely train the model)."""
+    W = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    layers = len(W) // 2
+    x = np.asarray(x, np.float32).astype(np.float64)  # the device holds float32 features (edge/runtime/data.py)
+    y = np.asarray(y, np.int64)
+    n = len(x)
+    classes = W[f"fc{layers - 1}.bias"].shape[0]
+    onehot = np.eye(classes)[y]
+    K = n + sum(W[f"fc{i}.weight"].shape[1] for i in range(layers)) + classes
+    err = {k: 0.0 for k in W}
+    for _ in range(epochs):
+        a, z = [x], []
+        for i in range(layers):
+            z.append(a[-1] @ W[f"fc{i}.weight"].T + W[f"fc{i}.bias"])
+            if i < layers - 1:
+                a.append(np.maximum(z[-1], 0.0))
+        logits = z[-1] - z[-1].max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=1, keepdims=True)
+        d = (p - onehot) / n  # dL/dz of the last layer: the mean over rows
+        dabs = np.full_like(d, 1.0 / n)  # its bound, for G
+        grads, G = {}, {}
+        for i in reversed(range(layers)):
+            grads[f"fc{i}.weight"], grads[f"fc{i}.bias"] = d.T @ a[i], d.sum(axis=0)
+            G[f"fc{i}.weight"], G[f"fc{i}.bias"] = dabs.T @ np.abs(a[i]), dabs.sum(axis=0)
+            if i > 0:
+                mask = z[i - 1] > 0  # ReLU's derivative (0 at 0, as torch)
+                d = (d @ W[f"fc{i}.weight"]) * mask
+                dabs = (dabs @ np.abs(W[f"fc{i}.weight"])) * mask
+        for k in W:
+            err[k] += float(np.max(U32 * np.abs(W[k]) + lr * (2 * K * U32 * G[k] + U32 * np.abs(grads[k]))))
+            W[k] = W[k] - lr * grads[k]
+    return W, {k: 2 * err[k] + U32 * float(np.abs(W[k]).max()) for k in W}
+
+
 def msgpack_dict(b: bytes) -> dict:
     import msgpack
     return msgpack.unpackb(b, raw=False)
@@ -588,7 +758,7 @@ NEEDS = {"resend": "plan_report", "ack": "plan_report", "duplicate_plan": "ack",
 def run(o: Options, out: Callable[[str], None] = print, proxy: Proxy | None = None) -> dict[str, str]:
     """Every step in order (or ``o.only``, with ``checkin`` always first); step -> PASS / FAIL / SKIP.
     ``proxy``: the relay the device connects through (the last-will step cuts it)."""
-    d = Driver(o, proxy)
+    d = Driver(o, proxy, out)
     verdicts: dict[str, str] = {}
     try:
         names = list(STEPS) if not o.only else ["checkin"] + [s for s in STEPS if s in o.only and s != "checkin"]
@@ -610,15 +780,48 @@ def run(o: Options, out: Callable[[str], None] = print, proxy: Proxy | None = No
     return verdicts
 
 
+def run_device(argv: list[str], o: Options, out: Callable[[str], None] = print) -> tuple[dict[str, str], float, str]:
+    """Every step against a device process: a relay in front of ``o.broker``, the device started as ``argv`` plus
+    ``--broker mqtt://<relay>`` and ``--fleet <o.fleet>`` (the options ``fedge device`` and ``fedge-native`` share),
+    then stopped. Returns the verdicts, the device's peak resident memory in MiB (VmHWM, read before it is
+    stopped; 0 where /proc has none) and what it printed."""
+    import subprocess
+
+    proxy = Proxy("127.0.0.1:0", BrokerAddress.parse(o.broker))
+    dev = subprocess.Popen([*argv, "--broker", f"mqtt://127.0.0.1:{proxy.address[1]}", "--fleet", o.fleet],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = 0.0
+    try:
+        verdicts = run(o, out, proxy)
+        try:
+            with open(f"/proc/{dev.pid}/status") as f:
+                peak = next((int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:")), 0.0)
+        except OSError:
+            pass
+    finally:
+        dev.terminate()
+        try:
+            printed = dev.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            dev.kill()
+            printed = dev.communicate()[0]
+        proxy.close()
+    return verdicts, peak, printed
+
+
 def add_parser(sub) -> None:
     c = sub.add_parser("conformance", help="play a coordinator's scripted session against one device and judge it "
                                            "against docs/protocol.md")
     c.add_argument("--broker", default="mqtt://127.0.0.1:1883")
     c.add_argument("--device", help="the device id under test")
     c.add_argument("--fleet", default="default")
-    c.add_argument("--sizes", default="4,8,2", help="the MLP the plans train: input features, hidden..., classes "
-                                                    "(must fit the device's data)")
-    c.add_argument("--program", help="an exported program file for the device's runtime (ort, executorch)")
+    c.add_argument("--data", metavar="FILE", help="the device's data (.npz with x, y): the train_maths step "
+                                                  "computes the training from them; the MLP defaults to "
+                                                  "features,8,classes of them")
+    c.add_argument("--sizes", help="the MLP the plans train: input features, hidden..., classes (must fit the "
+                                   "device's data; default: from --data, else 4,8,2)")
+    c.add_argument("--program", help="an exported program file for the device's runtime (ort, executorch); "
+                                     "default: the driver exports one")
     c.add_argument("--timeout", type=float, default=20.0, help="seconds the device gets for each thing it must do")
     c.add_argument("--resend-within", type=float, default=20.0, help="seconds to wait for a resend")
     c.add_argument("--quiet", type=float, default=2.0, help="seconds watched for what must not happen")
@@ -643,9 +846,23 @@ def cmd_conformance(a: argparse.Namespace) -> int:
     unknown = [s for s in only if s not in STEPS]
     if unknown:
         raise ConfigError(f"unknown steps {unknown} (fedge conformance --list)")
-    o = Options(a.broker, a.device, a.fleet, tuple(int(s) for s in a.sizes.split(",")),
-                open(a.program, "rb").read() if a.program else None, a.timeout, a.resend_within, a.quiet, a.pace,
-                a.wait, only)
+    data = sizes = None
+    if a.data:
+        from edge.runtime.data import load_npz
+        try:
+            data = load_npz(a.data)
+        except (OSError, KeyError, ValueError) as e:
+            raise ConfigError(f"--data {a.data}: {e}") from None
+    if a.sizes:
+        try:
+            sizes = tuple(int(s) for s in a.sizes.split(","))
+            mlp(list(sizes))
+        except ValueError:
+            raise ConfigError(f"--sizes {a.sizes}: give input features, hidden..., classes, e.g. 4,8,2") from None
+        if data is not None and misfit(sizes, *data):
+            raise ConfigError(f"--sizes {a.sizes} does not fit --data {a.data}: {misfit(sizes, *data)}")
+    o = Options(a.broker, a.device, a.fleet, sizes, open(a.program, "rb").read() if a.program else None, a.timeout,
+                a.resend_within, a.quiet, a.pace, a.wait, only, data=data)
     proxy = None
     if a.proxy:
         proxy = Proxy(a.proxy, BrokerAddress.parse(a.broker))
