@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench firmware
+.PHONY: demo test install clean bench firmware native
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 firmware: $(STAMP)
 	$(BIN)/python -m firmware_tests --runtime all
 	$(BIN)/python -m firmware_tests --protocol
+
+native: $(STAMP)
+	bash scripts/build_native.sh build/native
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/fedavg_mqtt.py

@@ -295,7 +295,7 @@ def _interrupt(*_) -> None:
 def cmd_simulate(a: argparse.Namespace) -> int:
     from .config import strategy_options
     from .datasets import from_dir, parse_partition
-    from .simulate import SimConfig, load_data, model_spec, simulate
+    from .simulate import NATIVE, NATIVE_BINARY, SimConfig, fleet_runtimes, load_data, model_spec, simulate
     from edge.trainers import RUNTIMES
     n_files = None
     if a.data is not None and Path(a.data).is_dir():
@@ -316,16 +316,19 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     if a.over_selection < 1.0:
         raise ConfigError(f"--over-selection = {a.over_selection}: must be at least 1")
     runtimes = tuple(r.strip() for r in a.runtimes.split(",") if r.strip())
-    bad = [r for r in runtimes if r not in RUNTIMES]
+    bad = [r for r in runtimes if r not in (*RUNTIMES, NATIVE)]
     if bad or not runtimes:
-        raise ConfigError(f"--runtimes = {a.runtimes!r}: each must be one of {', '.join(RUNTIMES)}")
+        raise ConfigError(f"--runtimes = {a.runtimes!r}: each must be one of {', '.join((*RUNTIMES, NATIVE))}")
+    if NATIVE in runtimes and not Path(a.native_binary or NATIVE_BINARY).is_file():
+        raise ConfigError(f"--runtimes {NATIVE}: no native device at {a.native_binary or NATIVE_BINARY} "
+                          "(build it: bash scripts/build_native.sh)")
     if a.partition is not None:
         parse_partition(a.partition)
     strategy_options(a.strategy, _strategy_args(a.strategy_arg), "-S")
     cfg = SimConfig(strategy=a.strategy, devices=devices, clients_per_round=a.clients_per_round, rounds=a.rounds,
                     epochs=a.epochs, lr=a.lr, batch_size=a.batch_size, seed=a.seed, alpha=a.alpha,
                     over_selection=a.over_selection, round_timeout_s=a.round_timeout, broker=a.broker, mode=a.mode,
-                    processes=a.processes, workdir=a.workdir, runtimes=runtimes,
+                    processes=a.processes, workdir=a.workdir, runtimes=runtimes, native_binary=a.native_binary or "",
                     chunk_bytes=a.chunk_kb * 1024, strategy_kw=_strategy_args(a.strategy_arg),
                     data=a.data, partition=a.partition, test_frac=a.test_frac, model=a.model,
                     hidden=tuple(a.hidden))
@@ -336,7 +339,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     # the data and the model are checked (one line each) before any broker, process or export starts
     _ids, data = load_data(cfg)
     spec = model_spec(cfg, data)
-    check_model_for(a.strategy, spec, runtimes)
+    check_model_for(a.strategy, spec, fleet_runtimes(runtimes))
     cfg = dataclasses.replace(cfg, spec=spec)
     signal.signal(signal.SIGTERM, _interrupt)  # unwind like Ctrl-C: simulate's cleanup stops what it started
     try:
@@ -435,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="reproducible (default): selection, committed reports and the aggregate are a pure function "
                         "of the seed and the data; production: availability and arrival order decide, as in a fleet")
     s.add_argument("--round-timeout", type=float, default=60.0)
-    s.add_argument("--runtimes", default="torch", help="comma list assigned round-robin to devices")
+    s.add_argument("--runtimes", default="torch", help="comma list assigned round-robin to devices (torch, ort, "
+                   "executorch; native: the C++ device of clients/native, on ExecuTorch)")
+    s.add_argument("--native-binary", default=None, help="the fedge-native executable (default build/native/fedge-native)")
     s.add_argument("--broker", default="embedded", help="embedded | mosquitto | mqtt://host:port")
     s.add_argument("--processes", type=int, default=2, help="device processes")
     s.add_argument("--ingest-workers", type=int, default=0, metavar="N",

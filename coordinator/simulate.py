@@ -5,6 +5,9 @@ the coordinator runs in this process. Data are written as one ``.npz`` per devic
 hold them; the held-out test split stays with the coordinator. The data are sklearn's digits, or a person's
 ``.npz`` (``data``: one file split by ``partition``, or a directory of ``<device id>.npz`` + ``test.npz``), and
 the model a zoo name or a person's own (``model``; coordinator/modelref.py).
+
+A runtime named ``native`` in ``runtimes`` is a device with no Python: the C++ device of clients/native
+(``fedge-native``, built by ``scripts/build_native.sh``) as its own process, which checks in as ``executorch``.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +35,19 @@ from .rounds import RoundConfig
 from .strategies import make_strategy
 
 log = logging.getLogger("fedge.simulate")
+
+NATIVE = "native"  # a device run by the C++ device of clients/native; it trains ExecuTorch programs
+NATIVE_BINARY = Path(__file__).resolve().parent.parent / "build" / "native" / "fedge-native"
+
+
+def device_runtime(runtime: str) -> str:
+    """The runtime a device of ``runtime`` declares (a native device runs ExecuTorch programs)."""
+    return "executorch" if runtime == NATIVE else runtime
+
+
+def fleet_runtimes(runtimes: tuple[str, ...]) -> tuple[str, ...]:
+    """The runtimes the coordinator serves for a fleet of these devices, each once."""
+    return tuple(dict.fromkeys(device_runtime(r) for r in runtimes))
 
 
 @dataclass
@@ -52,7 +69,8 @@ class SimConfig:
     round_timeout_s: float = 60.0
     selection_timeout_s: float = 5.0
     chunk_bytes: int = 256 * 1024
-    runtimes: tuple[str, ...] = ("torch",)  # assigned round-robin to devices
+    runtimes: tuple[str, ...] = ("torch",)  # assigned round-robin to devices; "native": the C++ device
+    native_binary: str = ""  # the fedge-native executable for "native" devices ("": NATIVE_BINARY)
     broker: str = "embedded"  # embedded | mosquitto | mqtt://host:port
     processes: int = 1
     workdir: str = "runs/simulate"
@@ -86,11 +104,16 @@ def _device_worker(specs: list[dict], broker_url: str, stop: Any, ready: Any) ->
 class DeviceFleet:
     """Device agents spread over child processes."""
 
-    def __init__(self, specs: list[dict], broker_url: str, processes: int):
+    def __init__(self, specs: list[dict], broker_url: str, processes: int, native_binary: str = ""):
         ctx = mp.get_context("spawn")
         self.stop_event = ctx.Event()
         self.procs = []
-        groups = [specs[i::processes] for i in range(max(1, processes))]
+        self.native: list[subprocess.Popen] = []
+        natives = [s for s in specs if s.get("native")]
+        specs = [s for s in specs if not s.get("native")]
+        if natives:
+            self.native = [start_native(s, broker_url, native_binary) for s in natives]
+        groups = [specs[i::processes] for i in range(max(1, processes))] if specs else []
         readies = []
         for i, g in enumerate(groups):
             if not g:
@@ -113,10 +136,33 @@ class DeviceFleet:
 
     def stop(self) -> None:
         self.stop_event.set()
+        for n in self.native:
+            n.terminate()
         for p in self.procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        for n in self.native:
+            try:
+                n.wait(10)
+            except subprocess.TimeoutExpired:
+                n.kill()
+                n.wait()
+
+
+def start_native(spec: dict, broker_url: str, binary: str = "") -> subprocess.Popen:
+    """One native device process (clients/native), its log in its state directory."""
+    exe = Path(binary or NATIVE_BINARY)
+    if not exe.is_file():
+        raise FileNotFoundError(f"{exe}: no native device; build it with scripts/build_native.sh")
+    logf = open(Path(spec["state"]) / "native.log", "ab")
+    try:
+        return subprocess.Popen([str(exe), "--id", spec["id"], "--data", spec["data"], "--broker", broker_url,
+                                 "--fleet", spec["fleet"], "--state-dir", spec["state"],
+                                 "--chunk-bytes", str(spec["chunk_bytes"])],
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
+    finally:
+        logf.close()
 
 
 def load_data(cfg: SimConfig) -> tuple[list[str] | None, FederatedData]:
@@ -163,9 +209,10 @@ def prepare(cfg: SimConfig) -> tuple[list[dict], Any]:
         if ids is None:
             save_npz(ddir / "data.npz", x, y)
         path = ddir / "data.npz" if ids is None else Path(cfg.data) / f"{did}.npz"
-        caps = {"runtime": cfg.runtimes[i % len(cfg.runtimes)], "memory_mb": 2048, "battery": 0.9,
+        rt = cfg.runtimes[i % len(cfg.runtimes)]
+        caps = {"runtime": device_runtime(rt), "memory_mb": 2048, "battery": 0.9,
                 "charging": True, "network": "wifi", "idle": True}
-        specs.append({"id": did, "data": str(path), "state": str(ddir), "caps": caps,
+        specs.append({"id": did, "data": str(path), "state": str(ddir), "caps": caps, "native": rt == NATIVE,
                       "chunk_bytes": cfg.chunk_bytes, "fleet": cfg.fleet or "default"})
     return specs, data
 
@@ -177,7 +224,7 @@ def preflight(cfg: SimConfig, programs: ProgramCatalog) -> None:
     strategy = make_strategy(cfg.strategy, spec=cfg.spec, lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size,
                              **cfg.strategy_kw)
     dp = strategy.plan(strategy.init(cfg.seed), "preflight", {})
-    for rt in cfg.runtimes:
+    for rt in fleet_runtimes(cfg.runtimes):
         try:
             programs(dp.spec, rt, dp.objective, dp.layout)
         except ConfigError:
@@ -200,7 +247,7 @@ def build_coordinator(cfg: SimConfig, broker_url: str | BrokerAddress, test: tup
                      min_reports=cfg.min_reports, round_timeout_s=cfg.round_timeout_s,
                      selection_timeout_s=cfg.selection_timeout_s, seed=cfg.seed, chunk_bytes=cfg.chunk_bytes,
                      fleet=cfg.fleet or "default",
-                     eligibility=Eligibility(runtimes=tuple(cfg.runtimes)))
+                     eligibility=Eligibility(runtimes=fleet_runtimes(cfg.runtimes)))
     addr = broker_url if isinstance(broker_url, BrokerAddress) else BrokerAddress.parse(broker_url)
     cc = CoordinatorConfig(rc, addr, str(Path(cfg.workdir) / "coordinator.sqlite"),
                            ingest="shared" if cfg.ingest_workers else "direct")
@@ -243,7 +290,11 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
         bar = tqdm(total=cfg.rounds, desc=f"{cfg.strategy} rounds", unit="round")
     rows: list[dict] = []
 
+    natives = {sp["id"] for sp in specs if sp["native"]}
+
     def on_round(s: dict) -> None:
+        if natives:  # how many of the committed reports came from native devices (the run report keeps the count)
+            s = s | {"native_reports": len(natives.intersection(s.get("accepted", ())))}
         rows.append(s)
         if bar is not None:
             bar.update(1)
@@ -261,7 +312,7 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
         if not coord.link.connected.wait(30):
             raise TimeoutError(f"coordinator could not connect to {url}")
         workers = start_ingest_workers(cfg.ingest_workers, coord)
-        devices = DeviceFleet(specs, url, cfg.processes)
+        devices = DeviceFleet(specs, url, cfg.processes, cfg.native_binary)
         coord.wait()
         if coord.error:
             raise RuntimeError("coordinator failed") from coord.error

@@ -4,6 +4,10 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +143,30 @@ def make_bus(tmp_path, n_devices=6, *, rounds=3, per_round=4, over=1.0, min_repo
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):
     caplog.set_level(logging.INFO)
+
+
+def build_native(out: Path, source: Path = Path(__file__).resolve().parents[1]) -> Path:
+    """clients/native built by scripts/build_native.sh into ``out`` (incremental: a second build is seconds)."""
+    r = subprocess.run(["bash", str(source / "scripts" / "build_native.sh"), str(out)], capture_output=True,
+                       text=True, timeout=1800, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return out
+
+
+def _native_toolchain_missing() -> str | None:
+    for tool in ("cmake", "pkg-config", "g++"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if subprocess.run(["pkg-config", "--exists", "libmosquitto"]).returncode != 0:
+        return "libmosquitto-dev is not installed"
+    return None
+
+
+@pytest.fixture(scope="session")
+def native_build() -> Path:
+    """The native device's build directory (build/native: fedge-native, fedge-native-train, vectors_test). Skipped
+    where the toolchain is missing, except in CI, which installs it (.ci/run) and so must build."""
+    missing = _native_toolchain_missing()
+    if missing and not os.environ.get("CI"):
+        pytest.skip(f"the native device cannot be built here: {missing}")
+    return build_native(Path(__file__).resolve().parents[1] / "build" / "native")
