@@ -1,12 +1,13 @@
 """An emulated Raspberry Pi (arm64 Debian under qemu-user) runs the device suite and joins a fleet.
 
-``python benchmarks/emulated_pi.py [--rounds 5] [--host-devices 4] [--emulated executorch,torch]
+``python benchmarks/emulated_pi.py [--rounds 5] [--host-devices 4] [--emulated executorch,torch,native]
 [--cpu cortex-a76] [--skip-suite]`` (as root; ``scripts/emulated_pi.sh`` does the provisioning) writes
 ``runs/bench/emulated_pi.json``::
 
     {"runtimes": {"executorch": {"suite": "pass"|"fail", "step_ms", "step_ms_by_model", "peak_mb", "suite_s"},
                   "torch": {...}},
-     "rounds_completed": N, "wall_s": ..., "setup_s": {...}, "fleet": {...}, "disk_mb": {...}, ...}
+     "rounds_completed": N, "wall_s": ..., "setup_s": {...}, "fleet": {...}, "disk_mb": {...},
+     "native": {"torch_in_env": false, "install_bytes", "python_device_install_bytes", "binary_bytes", ...}, ...}
 
 1. ``scripts/emulated_pi.sh setup``: host packages, binfmt, the arm64 rootfs, the aarch64 wheels, CPU identity.
    Each step is cached under ``runs/emulated-pi``; ``setup_s`` holds the seconds of the steps that ran
@@ -23,9 +24,21 @@
    coordinator's state (read with ``coordinator.store.Store``), and ``fleet.emulated`` says, per emulated
    device, in how many committed rounds its report was among the accepted and what was rejected from it.
 
+4. ``native`` in ``--emulated`` (``python benchmarks/emulated_pi.py --runtimes "" --emulated native`` for it
+   alone): ``scripts/emulated_pi.sh build-native`` cross-compiles clients/native for aarch64 against the aarch64
+   executorch wheel's C++ runtime and installs it in the rootfs as /opt/fedge-native (the binary, the runtime
+   libraries it loads, libmosquitto), and the fleet gets one ``fedge-native`` run under qemu-aarch64 with a
+   clean environment (``scripts/emulated_pi.sh native``): no Python, no torch. It checks in as ``executorch``,
+   so the coordinator serves it the ExecuTorch programs it exports on the host. ``native`` in the JSON:
+   ``install_bytes`` (what /opt/fedge-native holds) against ``python_device_install_bytes`` (the Python
+   device's site-packages: torch, its CUDA wheels, executorch and the rest), ``binary_bytes``, the libraries
+   and their sizes, ``torch_in_env`` (whether anything of torch is in its install, its rootfs, its
+   environment or its process's mapped files; must be false), the files it had mapped, its peak RSS (qemu's
+   included), and its rounds.
+
 ``wall_s`` is the whole benchmark (setup, both suites, the fleet); ``fleet.wall_s`` is the fleet part from
 the coordinator's start to its last commit. Exit code 0 only if both suites pass and every round committed
-with every emulated device's report.
+with every emulated device's report (and, with ``native``, only if it built and torch_in_env is false).
 """
 from __future__ import annotations
 
@@ -61,19 +74,23 @@ def pi_env(cpu: str) -> dict[str, str]:
     return {**os.environ, "FEDGE_PI_CPU": cpu, "FEDGE_HOST_PYTHON": os.environ.get("FEDGE_HOST_PYTHON", sys.executable)}
 
 
-def setup(cpu: str) -> dict[str, float]:
-    """Provision (or reuse) the emulated Pi; returns {step: seconds} from the script's "done in" lines."""
+def setup(cpu: str, command: str = "setup") -> dict[str, float]:
+    """Provision (or reuse) the emulated Pi (``build-native``: its native device); returns {step: seconds} from
+    the script's "done in" lines."""
     steps: dict[str, float] = {}
-    p = subprocess.Popen([str(SCRIPT), "setup"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    p = subprocess.Popen([str(SCRIPT), command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=pi_env(cpu))
     assert p.stdout is not None
+    why = ""
     for line in p.stdout:
         print(line, end="", flush=True)
         m = re.match(r"\[emulated-pi\] (\w+) done in ([0-9.]+) s", line)
         if m:
             steps[m.group(1)] = float(m.group(2))
+        if line.startswith("[emulated-pi] error: "):
+            why = ": " + line[len("[emulated-pi] error: "):].strip()
     if p.wait() != 0:
-        raise RuntimeError(f"scripts/emulated_pi.sh setup exited {p.returncode}")
+        raise RuntimeError(f"scripts/emulated_pi.sh {command} exited {p.returncode}{why}")
     return steps
 
 
@@ -131,8 +148,10 @@ def run_fleet(emulated: list[str], host_devices: int, rounds: int, cpu: str, tim
     work = WORK / "fleet"
     if work.exists():
         shutil.rmtree(work)
+    # a native device runs (and declares) executorch: the coordinator serves it the ExecuTorch programs
+    served = {"executorch" if rt == "native" else rt for rt in emulated}
     cfg = SimConfig(devices=n, clients_per_round=n, over_selection=1.0, min_reports=n, rounds=rounds, epochs=1,
-                    lr=0.1, hidden=(32,), seed=0, runtimes=tuple(sorted({"torch", *emulated})),
+                    lr=0.1, hidden=(32,), seed=0, runtimes=tuple(sorted({"torch", *served})),
                     # the emulated agents take 10-40 s to check in and their first plan imports torch (and
                     # ExecuTorch) under emulation, 2-6 min on a loaded machine: rounds wait for them
                     selection_timeout_s=timeout, round_timeout_s=timeout, workdir=str(work),
@@ -161,12 +180,16 @@ def run_fleet(emulated: list[str], host_devices: int, rounds: int, cpu: str, tim
                 raise TimeoutError(f"coordinator could not connect to {broker.url}")
             for s, rt in zip(emu_specs, emulated):
                 ddir = Path(s["state"])
-                (ddir / "device.toml").write_text(
-                    f'[device]\nfleet = "{s["fleet"]}"\n[capabilities]\ncharging = true\nnetwork = "wifi"\n'
-                    f'idle = true\nmemory_mb = 4096\n')
-                cmd = [str(SCRIPT), "run", "python3", "-m", "coordinator.cli", "-v", "device", "--config",
-                       str(ddir / "device.toml"), "--id", s["id"], "--data", s["data"], "--state-dir", str(ddir),
-                       "--broker", broker.url, "--runtime", rt]
+                if rt == "native":  # the aarch64 fedge-native, no Python (scripts/emulated_pi.sh native)
+                    cmd = [str(SCRIPT), "native", "-v", "--id", s["id"], "--data", s["data"], "--state-dir",
+                           str(ddir), "--broker", broker.url, "--fleet", s["fleet"], "--memory-mb", "4096"]
+                else:
+                    (ddir / "device.toml").write_text(
+                        f'[device]\nfleet = "{s["fleet"]}"\n[capabilities]\ncharging = true\nnetwork = "wifi"\n'
+                        f'idle = true\nmemory_mb = 4096\n')
+                    cmd = [str(SCRIPT), "run", "python3", "-m", "coordinator.cli", "-v", "device", "--config",
+                           str(ddir / "device.toml"), "--id", s["id"], "--data", s["data"], "--state-dir",
+                           str(ddir), "--broker", broker.url, "--runtime", rt]
                 logf = open(ddir / "device.log", "w")
                 say(f"emulated device {s['id']} ({rt}) joins; log: {ddir / 'device.log'}")
                 s["started"] = time.time()
@@ -184,6 +207,9 @@ def run_fleet(emulated: list[str], host_devices: int, rounds: int, cpu: str, tim
                     res["error"] = f"coordinator failed: {coord.error!r}" if coord.error else f"timeout {timeout} s"
                     break
             res["wall_s"] = round((commits[-1] if commits else time.time()) - t0, 1)
+            for s, p, _ in procs:  # what the native device's process has mapped and its peak, while it lives
+                if s["runtime"] == "native" and p.poll() is None:
+                    s["proc"] = process_facts(p.pid)
         finally:
             if coord is not None:
                 coord.stop()
@@ -216,7 +242,8 @@ def run_fleet(emulated: list[str], host_devices: int, rounds: int, cpu: str, tim
             "caps_runtime": devices.get(did, {}).get("caps", {}).get("runtime"),
             "accepted_rounds": sum(did in r.get("accepted", []) for r in summaries),
             "rejections": [r for r in rejections if r["device_id"] == did], "exit_code": p.returncode,
-            "first_report_s": first_accepted_s(Path(s["state"]) / "device.log", s["started"])})
+            "first_report_s": first_accepted_s(Path(s["state"]) / "device.log", s["started"]),
+            **({"process": s["proc"]} if "proc" in s else {})})
     res["ok"] = (res["rounds_completed"] == rounds and "error" not in res
                  and all(e["accepted_rounds"] == rounds and not e["rejections"] for e in res["emulated"]))
     return res
@@ -224,16 +251,93 @@ def run_fleet(emulated: list[str], host_devices: int, rounds: int, cpu: str, tim
 
 def first_accepted_s(device_log: Path, started: float) -> float | None:
     """Seconds from starting the emulated agent to its first accepted report (its log's first "accepted"):
-    start-up, check-in, the first plan, and the runtime's import under emulation, which dominates."""
-    from datetime import datetime
+    start-up, check-in, the first plan, and the runtime's import under emulation, which dominates. The Python
+    agent's lines start with a date and milliseconds, fedge-native's with HH:MM:SS (local time) only."""
+    from datetime import datetime, timedelta
     for line in device_log.read_text(errors="replace").splitlines():
         if "accepted" in line and "report" in line:
             try:
                 t = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             except ValueError:
-                return None
+                try:
+                    hms = datetime.strptime(line[:8], "%H:%M:%S").time()
+                except ValueError:
+                    return None
+                day = datetime.fromtimestamp(started)
+                when = datetime.combine(day.date(), hms)
+                if when.timestamp() < started - 1:  # past midnight
+                    when += timedelta(days=1)
+                t = when.timestamp()
             return round(t - started, 1)
     return None
+
+
+def process_facts(pid: int) -> dict[str, Any]:
+    """The emulated native device's process (qemu-aarch64 running fedge-native): the files it has mapped (the
+    guest's libraries are mmapped from the rootfs), whether any is torch's, its environment's variable names,
+    and its peak RSS (qemu's own included)."""
+    facts: dict[str, Any] = {"pid": pid}
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        files = sorted({ln.split(None, 5)[5] for ln in maps if len(ln.split(None, 5)) == 6 and "/" in ln})
+        facts["mapped_libs"] = sorted({os.path.basename(f) for f in files if ".so" in os.path.basename(f)})
+        facts["maps_torch"] = any("torch" in f.replace("executorch", "") for f in files)
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        facts["env"] = sorted(e.split(b"=", 1)[0].decode() for e in env if e)
+        for ln in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if ln.startswith("VmHWM:"):
+                facts["peak_rss_mb"] = round(int(ln.split()[1]) / 1024, 1)
+    except (OSError, IndexError) as e:
+        facts["error"] = repr(e)
+    return facts
+
+
+def du_bytes(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    out = subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True).stdout.split()
+    return int(out[0]) if out else None
+
+
+def native_facts(pi_dir: Path, fleet: dict[str, Any] | None) -> dict[str, Any]:
+    """The native device's install against the Python device's, and whether torch is anywhere near it."""
+    rootfs, site = pi_dir / "rootfs", pi_dir / "site"
+    manifest = rootfs / "opt" / "fedge-native" / "MANIFEST"
+    res: dict[str, Any] = {"prefix": "/opt/fedge-native"}
+    libs: dict[str, int] = {}
+    for line in manifest.read_text().splitlines():
+        kind, size, path = line.split(None, 2)
+        if kind == "binary":
+            res["binary_bytes"] = int(size)
+        else:
+            libs[os.path.basename(path)] = int(size)
+    res["libs"] = libs
+    res["executorch_runtime_bytes"] = sum(v for k, v in libs.items() if k.startswith("libexecutorch"))
+    res["libmosquitto_bytes"] = sum(v for k, v in libs.items() if k.startswith("libmosquitto"))
+    res["install_bytes"] = res["binary_bytes"] + sum(libs.values())
+    res["python_device_install_bytes"] = du_bytes(site)
+    if site.exists():  # the Python device's biggest parts
+        parts = {"torch": [site / "torch"], "nvidia_cuda_wheels": [site / "nvidia"], "executorch": [site / "executorch"],
+                 "triton": [site / "triton"]}
+        res["python_device_breakdown_bytes"] = {k: sum(du_bytes(p) or 0 for p in ps) for k, ps in parts.items()}
+    if res["python_device_install_bytes"]:
+        res["python_over_native"] = round(res["python_device_install_bytes"] / res["install_bytes"], 1)
+    res["base_rootfs_bytes"] = du_bytes(rootfs)  # what both share: libc, libstdc++, libssl (and python3)
+    # torch anywhere: in the install, in the rootfs (the site/ with torch is a separate directory, given to the
+    # Python device by PYTHONPATH only), in the process's environment or its mapped files
+    found = [str(p) for p in (rootfs / "opt" / "fedge-native").rglob("*torch*") if "executorch" not in p.name]
+    found += [str(p) for p in (rootfs / "usr").rglob("*torch*") if "executorch" not in p.name]
+    proc = {}
+    for e in (fleet or {}).get("emulated", []):
+        if e.get("runtime") == "native":
+            proc = e.get("process", {})
+            res["accepted_rounds"] = e["accepted_rounds"]
+            res["first_report_s"] = e["first_report_s"]
+    res["torch_files_in_env"] = found
+    res["process"] = proc
+    res["torch_in_env"] = bool(found or proc.get("maps_torch") or "PYTHONPATH" in proc.get("env", [])
+                               or not proc)  # no process facts: not shown to be torch-free
+    return res
 
 
 def du_mb(path: Path) -> float | None:
@@ -249,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", default=os.environ.get("FEDGE_PI_CPU", "cortex-a76"),
                     help="emulated core: cortex-a76 (Pi 5), cortex-a72 (Pi 4), cortex-a53, max")
     ap.add_argument("--runtimes", default="executorch,torch", help="runtimes whose suite runs in the emulated Pi")
-    ap.add_argument("--emulated", default="executorch,torch",
-                    help="one emulated device agent per runtime listed (comma list; empty: no fleet)")
+    ap.add_argument("--emulated", default="executorch,torch,native",
+                    help="one emulated device agent per runtime listed (comma list; empty: no fleet); native: "
+                         "the C++ device of clients/native, cross-compiled")
     ap.add_argument("--host-devices", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-suite", action="store_true")
@@ -271,25 +376,44 @@ def main(argv: list[str] | None = None) -> int:
             "inflate the times")
     say(f"setup ({SCRIPT.relative_to(ROOT)} setup)")
     res["setup_s"] = setup(a.cpu)
-    res["cold"] = any(k in res["setup_s"] for k in ("download", "install", "debootstrap"))
+    emulated = [r for r in a.emulated.split(",") if r]
+    if "native" in emulated:
+        say(f"the native device ({SCRIPT.relative_to(ROOT)} build-native)")
+        try:
+            res["setup_s"].update(setup(a.cpu, "build-native"))
+        except RuntimeError as e:  # clients/native does not build: the rest still runs, the result is FAILED
+            say(f"no native device: {e}")
+            res["native"] = {"error": str(e), "torch_in_env": None}
+            emulated.remove("native")
+    res["cold"] = any(k in res["setup_s"] for k in ("download", "install", "debootstrap", "et_aarch64", "arm64_debs"))
     qemu = subprocess.run(["qemu-aarch64-static", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     res["qemu"] = qemu
     if not a.skip_suite:
         for rt in [r for r in a.runtimes.split(",") if r]:
             res["runtimes"][rt] = run_suite(rt, a.cpu, a.suite_timeout)
-    emulated = [r for r in a.emulated.split(",") if r]
     if emulated:
         t1 = time.time()
         res["fleet"] = run_fleet(emulated, a.host_devices, a.rounds, a.cpu, a.fleet_timeout)
         res["fleet"]["total_s"] = round(time.time() - t1, 1)
         res["rounds_completed"] = res["fleet"]["rounds_completed"]
     pi_dir = ROOT / "runs" / "emulated-pi"
-    res["disk_mb"] = {k: du_mb(pi_dir / k) for k in ("rootfs", "wheels", "site")}
+    res["disk_mb"] = {k: du_mb(pi_dir / k) for k in ("rootfs", "wheels", "site", "native")}
+    if "native" in emulated:
+        res["native"] = native_facts(pi_dir, res.get("fleet"))
     res["wall_s"] = round(time.time() - t0, 1)
     res["loadavg_end"] = os.getloadavg()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     ok = all(r["suite"] == "pass" for r in res["runtimes"].values()) and res.get("fleet", {}).get("ok", True)
+    if "native" in res and "error" in res["native"]:
+        ok = False
+        print(f"native      not built: {res['native']['error']}")
+    elif "native" in res:
+        ok = ok and res["native"]["torch_in_env"] is False
+        n = res["native"]
+        print(f"native      install {n['install_bytes'] / 1e6:.1f} MB (binary {n['binary_bytes'] / 1e6:.1f} MB) vs the "
+              f"Python device's {(n['python_device_install_bytes'] or 0) / 1e6:.0f} MB; torch in its environment: "
+              f"{n['torch_in_env']}")
     for rt, r in res["runtimes"].items():
         print(f"{rt:<11} suite {r['suite']:<4}  step {r.get('step_ms')} ms (mlp)  {r.get('step_ms_by_model')}  "
               f"{r['suite_s']} s")

@@ -6,13 +6,18 @@
 #   scripts/emulated_pi.sh run python3 -m firmware_tests --runtime executorch
 #   scripts/emulated_pi.sh run python3 -m coordinator.cli device --config device.toml
 #   scripts/emulated_pi.sh info                  # paths, CPU, disk used
+#   scripts/emulated_pi.sh check-native [F.pte]  # cross-compile a toolchain check (ExecuTorch runtime) and run it
+#   scripts/emulated_pi.sh build-native          # cross-compile clients/native for aarch64, install it in the Pi
+#   scripts/emulated_pi.sh native --id pi-1 --data pi-1.npz --broker mqtt://127.0.0.1:1883 --state-dir DIR
+#                                                # run the installed fedge-native (no Python, no torch)
 #
 # Environment:
-#   FEDGE_PI_DIR       cache dir (default: <checkout>/runs/emulated-pi): rootfs/, wheels/, site/
+#   FEDGE_PI_DIR       cache dir (default: <checkout>/runs/emulated-pi): rootfs/, wheels/, site/, native/
 #   FEDGE_PI_CPU       the emulated core: cortex-a76 (Pi 5, default), cortex-a72 (Pi 4), cortex-a53 (Pi 3), max
 #   FEDGE_PI_CPUS      how many cores the fake /sys and /proc/cpuinfo show (default 2)
 #   FEDGE_PI_MIRROR    Debian mirror for debootstrap (default http://deb.debian.org/debian)
 #   FEDGE_HOST_PYTHON  host Python whose pip fetches the wheels (default: <checkout>/.venv/bin/python, else python3)
+#   FEDGE_NATIVE_SRC   the native device's sources (default: <checkout>/clients/native)
 #
 # Needs root (apt-get, mounting binfmt_misc). Why each step is the way it is: docs/raspberry-pi.md.
 set -euo pipefail
@@ -25,6 +30,18 @@ SITE="$PI_DIR/site"
 CPU="${FEDGE_PI_CPU:-cortex-a76}"
 NCPUS="${FEDGE_PI_CPUS:-2}"
 MIRROR="${FEDGE_PI_MIRROR:-http://deb.debian.org/debian}"
+# the native device (clients/native, C++): cross-compiled on the host, installed in the rootfs under
+# NATIVE_PREFIX with only the ExecuTorch runtime libraries and libmosquitto beside it
+NATIVE="$PI_DIR/native"
+NATIVE_SRC="${FEDGE_NATIVE_SRC:-$ROOT/clients/native}"
+NATIVE_PREFIX=/opt/fedge-native
+ET_A64="$NATIVE/executorch-aarch64/executorch"   # the aarch64 wheel, unpacked: lib/, include/, share/cmake/
+# unpacked into $NATIVE/sysroot: libmosquitto1 (needs only libc6 and libssl3, both in the rootfs) is also installed
+# beside the device; the header-only msgpack-cxx (its CMake config is per architecture and wants Boost's) and
+# nlohmann-json are only built against
+ARM64_DEBS=(libmosquitto1 libmosquitto-dev libmsgpack-cxx-dev libboost1.74-dev nlohmann-json3-dev)
+CROSS_PACKAGES=(g++-aarch64-linux-gnu cmake pkg-config patchelf libmsgpack-cxx-dev nlohmann-json3-dev)
+TOOLCHAIN="$ROOT/scripts/pi-native/aarch64-linux-gnu.cmake"
 if [[ -n "${FEDGE_HOST_PYTHON:-}" ]]; then HOST_PY="$FEDGE_HOST_PYTHON"
 elif [[ -x "$ROOT/.venv/bin/python" ]]; then HOST_PY="$ROOT/.venv/bin/python"
 else HOST_PY=python3; fi
@@ -78,7 +95,8 @@ ensure_binfmt() {
     fi
     local reg=/proc/sys/fs/binfmt_misc/qemu-aarch64 interp
     # a registration can outlive its interpreter (qemu-user-static removed): then register again
-    interp=$(sed -n 's/^interpreter //p' "$reg" 2>/dev/null)
+    # (|| true: before the first registration there is no $reg, and set -e would end the script silently)
+    interp=$(sed -n 's/^interpreter //p' "$reg" 2>/dev/null || true)
     if ! grep -qs '^enabled' "$reg" || [[ ! -x "$interp" ]]; then
         [[ $EUID -eq 0 ]] || die "qemu-aarch64 is not registered with binfmt_misc and only root can do it"
         if [[ -e "$reg" && ! -x "$interp" ]]; then echo -1 > "$reg"; fi
@@ -172,6 +190,168 @@ write_cpu_identity() {
     echo "$CPU $NCPUS" > "$ROOTFS/.fedge-cpu"
 }
 
+# ---- the native device --------------------------------------------------------------------------------
+
+step_cross_packages() {
+    local missing=() p
+    for p in "${CROSS_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    [[ ${#missing[@]} -eq 0 ]] && { say "cross packages: present"; return; }
+    [[ $EUID -eq 0 ]] || die "run as root (apt-get install ${missing[*]})"
+    local t0; t0=$(now)
+    say "cross packages: apt-get install ${missing[*]}"
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
+    done_in cross_packages "$t0"
+}
+
+# The aarch64 executorch wheel, without its dependencies (torch): its lib/ is the C++ runtime, include/ and
+# share/cmake/ are what CMake builds against. From the wheels cache when `setup` filled it, else downloaded.
+step_et_aarch64() {
+    if [[ -f "$ET_A64/share/cmake/executorch-config.cmake" ]]; then say "aarch64 executorch: cached ($ET_A64)"; return; fi
+    local t0; t0=$(now) links=()
+    [[ -d "$WHEELS" ]] && links=(--find-links "$WHEELS")
+    rm -rf "$NATIVE/executorch-aarch64"
+    say "aarch64 executorch: pip install --no-deps --target (the runtime only; no torch)"
+    host_pip install -q --no-deps --target "$NATIVE/executorch-aarch64" --no-warn-conflicts --root-user-action=ignore \
+        "${links[@]}" "${PIP_TARGET_ARGS[@]}" "$ET_REQ" 2>&1 | grep -v "already exists" >&2 || true
+    [[ -f "$ET_A64/lib/libexecutorch.so" ]] || die "no lib/libexecutorch.so in the aarch64 executorch wheel"
+    done_in et_aarch64 "$t0"
+}
+
+# The arm64 .debs of the C libraries (libmosquitto), through a private apt state for arm64 under
+# $NATIVE/apt: the host's dpkg gets no foreign architecture and its apt lists are untouched.
+step_arm64_debs() {
+    local key; key=$(printf '%s\n' "${ARM64_DEBS[@]}" "$MIRROR" | sha256sum | cut -c1-16)
+    if [[ -f "$NATIVE/sysroot/.fedge-$key" ]]; then say "arm64 debs: cached ($NATIVE/sysroot)"; return; fi
+    local t0; t0=$(now) d="$NATIVE/apt"
+    rm -rf "$d" "$NATIVE/sysroot"
+    mkdir -p "$d/lists/partial" "$d/archives/partial" "$NATIVE/sysroot"
+    local sec="${MIRROR%/debian}/debian-security"
+    printf 'deb %s bookworm main\ndeb %s bookworm-updates main\ndeb %s bookworm-security main\n' \
+        "$MIRROR" "$MIRROR" "$sec" > "$d/sources.list"
+    : > "$d/status"
+    local apt=(apt-get -q -o "Dir::Etc::SourceList=$d/sources.list" -o Dir::Etc::SourceParts=/dev/null
+               -o "Dir::State::Lists=$d/lists" -o "Dir::State::status=$d/status" -o "Dir::Cache=$d"
+               -o "Dir::Cache::archives=$d/archives" -o APT::Architecture=arm64 -o APT::Architectures::=arm64
+               -o Debug::NoLocking=1 -o Acquire::Languages=none -o APT::Sandbox::User=root)
+    say "arm64 debs: apt-get download ${ARM64_DEBS[*]} (arm64, private apt state in $d)"
+    "${apt[@]}" update >/dev/null || die "apt-get update (arm64) failed"
+    ( cd "$d/archives" && "${apt[@]}" download "${ARM64_DEBS[@]}" >/dev/null ) || die "apt-get download failed"
+    local deb; for deb in "$d"/archives/*_arm64.deb; do dpkg -x "$deb" "$NATIVE/sysroot"; done
+    rm -rf "$d/lists" "$d"/*.bin
+    touch "$NATIVE/sysroot/.fedge-$key"
+    done_in arm64_debs "$t0"
+}
+
+# `cross_build SRC BUILD TARGET...`: configure with the aarch64 toolchain and build the targets
+cross_build() {
+    local src=$1 build=$2; shift 2
+    local targets=(); local t; for t in "$@"; do targets+=(--target "$t"); done
+    # a build dir configured from other sources (FEDGE_NATIVE_SRC) is started afresh
+    if [[ -f "$build/CMakeCache.txt" ]] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$src" "$build/CMakeCache.txt"; then
+        rm -rf "$build"
+    fi
+    FEDGE_ARM64_SYSROOT="$NATIVE/sysroot" FEDGE_ARM64_RUNTIME_ROOT="$ROOTFS" \
+        cmake -S "$src" -B "$build" --toolchain "$TOOLCHAIN" -DCMAKE_BUILD_TYPE=Release \
+              -DCMAKE_PREFIX_PATH="$ET_A64" > "$build.configure.log" 2>&1 \
+        || { tail -30 "$build.configure.log" >&2; return 1; }
+    FEDGE_ARM64_SYSROOT="$NATIVE/sysroot" FEDGE_ARM64_RUNTIME_ROOT="$ROOTFS" \
+        cmake --build "$build" -j"${JOBS:-2}" "${targets[@]}" > "$build.build.log" 2>&1 \
+        || { grep -E "error|Error" "$build.build.log" | head -30 >&2; return 1; }
+}
+
+# `install_native BIN`: BIN (stripped, its rpath made $ORIGIN/../lib) into $ROOTFS$NATIVE_PREFIX/bin, and into
+# lib/ the shared libraries it needs that the base system (the rootfs) does not have: the ExecuTorch runtime
+# libraries from the aarch64 wheel and libmosquitto from the arm64 .debs, followed transitively.
+install_native() {
+    local bin=$1 dest="$ROOTFS$NATIVE_PREFIX" name
+    rm -rf "$dest"
+    mkdir -p "$dest/bin" "$dest/lib"
+    cp "$bin" "$dest/bin/"
+    name=$(basename "$bin")
+    aarch64-linux-gnu-strip --strip-unneeded "$dest/bin/$name"
+    patchelf --set-rpath '$ORIGIN/../lib' "$dest/bin/$name"
+    local queue=("$dest/bin/$name") f lib src
+    while [[ ${#queue[@]} -gt 0 ]]; do
+        f=${queue[0]}; queue=("${queue[@]:1}")
+        for lib in $(aarch64-linux-gnu-readelf -d "$f" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
+            [[ -e "$dest/lib/$lib" ]] && continue
+            src=""
+            if [[ -e "$ET_A64/lib/$lib" ]]; then src="$ET_A64/lib/$lib"
+            elif [[ -e "$NATIVE/sysroot/usr/lib/aarch64-linux-gnu/$lib" ]]; then src="$NATIVE/sysroot/usr/lib/aarch64-linux-gnu/$lib"
+            elif [[ -e "$ROOTFS/usr/lib/aarch64-linux-gnu/$lib" || -e "$ROOTFS/lib/aarch64-linux-gnu/$lib" ]]; then continue
+            else die "$name needs $lib, which neither the wheel, the arm64 debs nor the rootfs has"; fi
+            cp -L "$src" "$dest/lib/$lib"
+            queue+=("$dest/lib/$lib")
+        done
+    done
+    # what is installed, in bytes: the benchmark reads this
+    {
+        echo "binary $(stat -c %s "$dest/bin/$name") $NATIVE_PREFIX/bin/$name"
+        for f in "$dest"/lib/*; do echo "lib $(stat -c %s "$f") $NATIVE_PREFIX/lib/$(basename "$f")"; done
+    } > "$dest/MANIFEST"
+    say "native: installed $NATIVE_PREFIX in the rootfs: $(awk '{s+=$2} END {printf "%.1f MB", s/1e6}' "$dest/MANIFEST") \
+(binary $(awk '$1=="binary"{printf "%.1f MB", $2/1e6}' "$dest/MANIFEST"), $(ls "$dest/lib" | wc -l) libraries)"
+}
+
+native_prereqs() {
+    step_host_packages
+    ensure_binfmt
+    step_rootfs
+    write_cpu_identity
+    step_cross_packages
+    step_et_aarch64
+    step_arm64_debs
+}
+
+# A toolchain check that does not need clients/native: scripts/pi-native/et_smoke.cpp links the aarch64
+# ExecuTorch runtime and lists a .pte's methods, run under qemu with no Python at all.
+cmd_check_native() {
+    native_prereqs
+    local t0; t0=$(now) pte=${1:-}
+    say "check-native: cross-compile scripts/pi-native (et-smoke)"
+    cross_build "$ROOT/scripts/pi-native" "$NATIVE/build-smoke" et-smoke || die "the toolchain check did not build"
+    done_in build_smoke "$t0"
+    if [[ -z "$pte" ]]; then
+        pte="$NATIVE/smoke-mlp.pte"
+        if [[ ! -f "$pte" ]]; then
+            say "check-native: exporting a zoo MLP for executorch on the host (fedge export)"
+            local tmp; tmp=$(mktemp -d)
+            ( cd "$ROOT" && "$HOST_PY" -m coordinator.cli export --model mlp --input 64 --runtime executorch \
+                --cache "$tmp/cache" --out "$tmp" > "$NATIVE/export.log" 2>&1 ) || die "fedge export failed (log: $NATIVE/export.log)"
+            mv "$tmp/mlp.pte" "$pte"; rm -rf "$tmp"
+        fi
+    fi
+    say "check-native: et-smoke $pte under qemu-aarch64 ($CPU)"
+    env -i PATH=/usr/bin:/bin QEMU_LD_PREFIX="$ROOTFS" QEMU_CPU="$CPU" \
+        qemu-aarch64-static "$NATIVE/build-smoke/et-smoke" "$pte"
+}
+
+cmd_build_native() {
+    local t0; t0=$(now)
+    native_prereqs
+    [[ -f "$NATIVE_SRC/CMakeLists.txt" ]] || die "no $NATIVE_SRC/CMakeLists.txt"
+    local t1; t1=$(now)
+    say "build-native: cross-compile $NATIVE_SRC for aarch64 (log: $NATIVE/build.*.log)"
+    cross_build "$NATIVE_SRC" "$NATIVE/build" fedge-native || die "clients/native did not cross-compile"
+    done_in build_native "$t1"
+    install_native "$NATIVE/build/fedge-native"
+    done_in setup_native "$t0"
+}
+
+# Runs the installed fedge-native in the emulated Pi: a clean environment (no PYTHONPATH, nothing of the
+# host's), the rootfs as the loader's prefix, and nothing but $NATIVE_PREFIX beside the base system.
+cmd_native() {
+    local bin="$ROOTFS$NATIVE_PREFIX/bin/fedge-native"
+    [[ -x "$bin" ]] || die "fedge-native is not installed: run $0 build-native first"
+    [[ "$(cat "$ROOTFS/.fedge-cpu" 2>/dev/null)" == "$CPU $NCPUS" ]] || write_cpu_identity
+    cd "$ROOT"
+    exec env -i PATH=/usr/bin:/bin HOME=/root LANG=C.UTF-8 QEMU_LD_PREFIX="$ROOTFS" QEMU_CPU="$CPU" \
+        qemu-aarch64-static "$bin" "$@"
+}
+
 cmd_setup() {
     local t0; t0=$(now)
     step_host_packages
@@ -205,7 +385,9 @@ cmd_info() {
     echo "pi dir    $PI_DIR"
     echo "cpu       $CPU x $NCPUS"
     echo "host py   $HOST_PY"
-    for d in "$ROOTFS" "$WHEELS" "$SITE"; do [[ -d "$d" ]] && du -sh "$d"; done
+    for d in "$ROOTFS" "$WHEELS" "$SITE" "$NATIVE"; do [[ -d "$d" ]] && du -sh "$d"; done
+    [[ -f "$ROOTFS$NATIVE_PREFIX/MANIFEST" ]] && echo "native    $NATIVE_PREFIX: $(awk '{s+=$2} END {print s}' \
+        "$ROOTFS$NATIVE_PREFIX/MANIFEST") bytes"
     return 0
 }
 
@@ -213,5 +395,8 @@ case "${1:-}" in
     setup) shift; cmd_setup "$@" ;;
     run) shift; [[ "${1:-}" == "--" ]] && shift; cmd_run "$@" ;;
     info) cmd_info ;;
-    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    check-native) shift; cmd_check_native "$@" ;;
+    build-native|setup-native) cmd_build_native ;;
+    native) shift; cmd_native "$@" ;;
+    *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
