@@ -391,3 +391,25 @@ def test_only_a_device_that_declares_the_extensions_gets_them():
     assert only_down.wire is not None and "sample" not in only_down.upload
     with pytest.raises(BadCapabilities, match="sampled_upload"):
         parse_capabilities({"sampled_upload": "yes"})
+
+
+@pytest.mark.parametrize("upload, why", [
+    ({"dtype": "f4", "delta": "false"}, "delta must be true or false"),  # a string is not a bool ("false" is truthy)
+    ({"dtype": "f4", "delta": 1}, "delta must be true or false"),
+    ({"dtype": "q8", "delta": True, "sample": "norm", "keep": "0.5", "p_min": 0.0}, "must be numbers"),
+    ({"dtype": "q8", "delta": True, "sample": "norm", "keep": 0.5, "p_min": True}, "must be numbers"),
+])
+def test_upload_options_are_typed_strictly(upload, why):
+    w0 = {"w": np.ones((4, 3), np.float32)}
+    with pytest.raises(PlanError, match=why):
+        encode_update({"w": w0["w"] * 2}, _plan(w0, upload), {})
+
+
+def test_float16_uploads_saturate_instead_of_overflowing():
+    """Section 6: binary16 saturates at +-65504; a plain cast gave infinity, which admission refuses."""
+    w0 = {"w": np.zeros((2, 3), np.float32)}
+    new = {"w": np.array([[1e5, -7e4, 1.0], [65504.0, 65520.0, -2.0]], np.float32)}
+    t = encode_update(new, _plan(w0, upload_spec("f2")), {})["w"]
+    got = np.asarray(t.values, np.float64)
+    assert np.isfinite(got).all()
+    assert got.tolist() == [[65504.0, -65504.0, 1.0], [65504.0, 65504.0, -2.0]]

@@ -275,3 +275,12 @@ def test_the_dense_fast_path_decodes_exactly_what_the_general_path_does():
         assert _dense_update(rec) is None
         with pytest.raises(wire.WireError):
             unpack_update(rec, "t", finite=False)
+
+
+def test_an_id_with_a_trailing_newline_is_refused():
+    """``$`` in a Python regex also matches before a final newline: "dev-1\\n" was a valid id (and topic level)."""
+    assert wire.ID_RE.match("dev-1") and not wire.ID_RE.match("dev-1\n")
+    payload = wire.encode(wire.Ack("r1a1", "dev-1", "accepted", ""))
+    bad = payload.replace(b"\xa5dev-1", b"\xa6dev-1\n")
+    with pytest.raises(wire.WireError):
+        wire.decode(bad)

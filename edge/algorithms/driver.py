@@ -22,6 +22,7 @@ from .base import Context, PlanError
 STREAM_ROUNDING, STREAM_SAMPLE, DROPOUT_STREAM = 100, 101, 102
 SAMPLE_DESIGNS = ("norm", "uniform")
 _PLAIN = {"f4": np.float32, "f2": np.float16}
+_F16_MAX = 65504.0
 
 
 def batches(n: int, batch_size: int, epochs: int, seed: int):
@@ -43,12 +44,16 @@ def value_format(upload: dict, ndim: int) -> str:
 
 
 def _upload_options(upload: dict) -> tuple[bool, str | None, float, float]:
-    delta = bool(upload.get("delta", False))
+    """The upload keys this device reads, typed strictly (docs/protocol.md section 6): ``delta`` a bool, ``keep`` and
+    ``p_min`` numbers (a string "false" is not false, and a bool is not a number)."""
+    delta = upload.get("delta", False)
+    if type(delta) is not bool:
+        raise PlanError(f"upload delta must be true or false, not {delta!r}")
     design = upload.get("sample")
-    try:
-        keep, p_min = float(upload.get("keep", 1.0)), float(upload.get("p_min", 0.0))
-    except (TypeError, ValueError):
-        raise PlanError("upload keep and p_min must be numbers") from None
+    keep, p_min = upload.get("keep", 1.0), upload.get("p_min", 0.0)
+    if any(type(v) not in (int, float) for v in (keep, p_min)):
+        raise PlanError("upload keep and p_min must be numbers")
+    keep, p_min = float(keep), float(p_min)
     if design is not None:
         if design not in SAMPLE_DESIGNS:
             raise PlanError(f"upload sample {design!r} is not one of {SAMPLE_DESIGNS}")
@@ -174,6 +179,8 @@ def encode_update(new: dict[str, np.ndarray], plan: Plan, masks: dict[str, np.nd
             s = systematic_sample(probs[k], rng_s)
             vals, kw = vals[s], {"sample": s, "pcodes": np.round(probs[k][s] * 255.0).astype(np.uint8)}
         if code in _PLAIN:  # a plain array (as before the codec): encoded when the report is
+            if code == "f2":  # binary16 saturates at +-65504 (section 6), where a cast would give infinity
+                vals = np.clip(vals, -_F16_MAX, _F16_MAX)
             out[k] = TensorUpdate(tuple(w.shape), np.asarray(vals, _PLAIN[code]), m, **kw)
         else:
             out[k] = TensorUpdate.encoded(tuple(w.shape), vals, m, code=code, rng=rng_q, **kw)

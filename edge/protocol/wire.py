@@ -28,7 +28,7 @@ MAX_NDIM = 8
 MAX_ELEMENTS = 2**40
 MAX_STR = 256
 # Ids end up in topic names: no '/', '+', '#' or whitespace.
-ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}\Z")  # \Z, not $: "$" also matches before a final newline
 DTYPES = {"f4": np.float32, "f2": np.float16, "f8": np.float64, "u1": np.uint8, "i4": np.int32, "i8": np.int64}
 _DTYPE_CODE = {np.dtype(v).str[1:]: k for k, v in DTYPES.items()}
 # Wire arrays are little-endian; on a little-endian host the native dtype is the same and no copy is made.

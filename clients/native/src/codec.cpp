@@ -437,34 +437,12 @@ std::pair<std::vector<int64_t>, bool> minority(const std::vector<int64_t>& activ
 
 // ---------------------------------------------------------------- the driver's sampling
 
+// upload.keep and upload.p_min: numbers (int or float); a bool or a string is refused, as the Python device does
 double pnum(const Scalar* s, double dflt, const char* what) {
   if (!s) return dflt;
-  switch (s->kind) {
-    case Scalar::Int: return double(s->i);
-    case Scalar::Float: return s->f;
-    case Scalar::Bool: return s->b ? 1.0 : 0.0;
-    case Scalar::Str: {  // Python's float("0.5")
-      const char* b = s->s.c_str();
-      char* e = nullptr;
-      double v = std::strtod(b, &e);
-      while (e && *e && std::isspace(static_cast<unsigned char>(*e))) ++e;
-      if (e != b && e && !*e) return v;
-      break;
-    }
-    default: break;
-  }
+  if (s->kind == Scalar::Int) return double(s->i);
+  if (s->kind == Scalar::Float) return s->f;
   throw PlanError(std::string("upload ") + what + " must be a number");
-}
-
-bool truthy(const Scalar& s) {
-  switch (s.kind) {
-    case Scalar::Nil: return false;
-    case Scalar::Bool: return s.b;
-    case Scalar::Int: return s.i != 0;
-    case Scalar::Float: return s.f != 0.0;
-    case Scalar::Str: return !s.s.empty();
-  }
-  return false;
 }
 
 std::string value_format(const Scalars& up, size_t ndim) {
@@ -845,7 +823,8 @@ Ordered<UpdateRecord> encode_update(const Tensors& trained, const Tensors& plan_
                                     const Ordered<std::vector<int64_t>>& masks, const Scalars& upload, uint64_t seed) {
   // _upload_options
   const Scalar* dv = find(upload, std::string("delta"));
-  const bool delta = dv && truthy(*dv);
+  if (dv && dv->kind != Scalar::Bool) throw PlanError("upload delta must be true or false");
+  const bool delta = dv && dv->b;
   const Scalar* design_s = find(upload, std::string("sample"));
   std::string design;
   if (design_s && design_s->kind != Scalar::Nil) {
