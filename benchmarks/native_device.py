@@ -1,6 +1,6 @@
 """The native device (clients/native: C++ on the executorch wheel's runtime, no Python, no torch) measured whole.
 
-``python benchmarks/native_device.py [--seeds 0 1 2] [--rounds 10] [--devices 6]`` builds it
+``python benchmarks/native_device.py [--seeds 0 1 2] [--rounds 20] [--devices 6]`` builds it
 (scripts/build_native.sh) and writes ``runs/bench/native_device.json``::
 
     {"conformance": "pass"|"fail", "conformance_steps": {step: verdict},
@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/native_device.py` from anywh
     sys.path.insert(0, str(ROOT))
 
 from coordinator import conformance as C  # noqa: E402
+from coordinator.datasets import digits_sample
 from coordinator.broker import Mosquitto  # noqa: E402
 from edge.runtime.data import save_npz  # noqa: E402
 
@@ -74,14 +75,6 @@ def build(out: Path, source: Path = ROOT) -> Path:
     if r.returncode != 0:
         raise SystemExit(f"build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return out
-
-
-def digits(path: Path, n: int = 60, seed: int = 0) -> Path:
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    idx = np.random.default_rng(seed).permutation(len(d.target))[:n]
-    save_npz(path, (d.data[idx] / 16.0).astype(np.float32), d.target[idx])
-    return path
 
 
 def conformance(argv: list[str], data: Path, device: str) -> tuple[dict[str, str], float, str]:
@@ -204,7 +197,7 @@ def mixed_fleet(binary: Path, seeds: list[int], rounds: int, devices: int, work:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--devices", type=int, default=6)
     ap.add_argument("--skip-fleet", action="store_true")
     ap.add_argument("--out", default=str(OUT))
@@ -216,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     binary = build(BUILD) / "fedge-native"
     with tempfile.TemporaryDirectory(prefix="fedge-native-bench-") as tmp:
         work = Path(tmp)
-        data = digits(work / "data.npz")
+        data = digits_sample(work / "data.npz")
         steps, peak, out = conformance([str(binary), "--id", "nat-1", "--data", str(data), "--state-dir",
                                         str(work / "nat-state"), "--ack-timeout", "0.5", "--heartbeat", "30"],
                                        data, "nat-1")

@@ -25,6 +25,16 @@ def load_digits_xy() -> tuple[np.ndarray, np.ndarray]:
     return (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
 
 
+def digits_sample(path: str | Path, n: int = 60, seed: int = 0) -> Path:
+    """A device's data file (``.npz`` with ``x``, ``y``): ``n`` random rows of sklearn's digits, e.g. the data a
+    conformance run gives a device and the driver."""
+    from edge.runtime.data import save_npz
+    x, y = load_digits_xy()
+    idx = np.random.default_rng(seed).permutation(len(y))[:n]
+    save_npz(path, x[idx], y[idx])
+    return Path(path)
+
+
 def dirichlet_split(y: np.ndarray, n: int, alpha: float, rng: np.random.Generator, min_size: int = 5) -> list[np.ndarray]:
     """Label skew of Hsu et al. 2019: each class is spread over devices by proportions ~ Dir(alpha).
     Redrawn until every device has at least ``min_size`` samples."""

@@ -12,13 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from coordinator import conformance as C
+from coordinator.datasets import digits_sample
 from coordinator.broker import Mosquitto, mosquitto_binary
 from conftest import build_native
-from edge.runtime.data import save_npz
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "native"
@@ -33,14 +32,6 @@ _needs_broker = pytest.mark.skipif(mosquitto_binary() is None and not os.environ
 @pytest.fixture(scope="session")
 def native(native_build) -> Path:
     return native_build
-
-
-def digits_data(path: Path, n: int = 60, seed: int = 0) -> Path:
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    idx = np.random.default_rng(seed).permutation(len(d.target))[:n]
-    save_npz(path, (d.data[idx] / 16.0).astype(np.float32), d.target[idx])
-    return path
 
 
 def test_native_device_reads_every_vector(native):
@@ -67,7 +58,7 @@ def run_conformance(binary: Path, data: Path, state: Path, *, device: str = "nat
 @_needs_broker
 @pytest.mark.mosquitto
 def test_native_device_passes_fedge_conformance(native, tmp_path):
-    data = digits_data(tmp_path / "data.npz")
+    data = digits_sample(tmp_path / "data.npz")
     verdicts, lines, out = run_conformance(native / "fedge-native", data, tmp_path / "state")
     print("\n".join(lines), file=sys.stderr)
     assert verdicts == {k: "PASS" for k in C.STEPS}, "\n".join(lines) + "\n--- device:\n" + out[-4000:]
@@ -86,7 +77,7 @@ def test_a_native_copy_that_trains_another_function_fails_conformance(native, tm
     assert old in text, f"{path} no longer has the line the wrong copy changes: update WRONG_FUNCTION"
     (src / path).write_text(text.replace(old, new))
     wrong = build_native(tmp_path / "build", src)
-    data = digits_data(tmp_path / "data.npz")
+    data = digits_sample(tmp_path / "data.npz")
     verdicts, lines, out = run_conformance(wrong / "fedge-native", data, tmp_path / "state")
     print("\n".join(lines), file=sys.stderr)
     assert verdicts["train_maths"] == "FAIL", "\n".join(lines)
