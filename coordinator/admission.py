@@ -19,7 +19,7 @@ compare with in the model the plan sent; the value range still applies).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -51,6 +51,18 @@ class AdmissionRules:
     # a device's sample count weighs its report (FedAvg's N_s): a check-in may not claim more than this,
     # and a report must carry the count its device declared at check-in
     max_samples: int = field(default=1_000_000, metadata={"min": 1})
+    # ... but the count is only the device's word: no report weighs more than this many times the median count
+    # the round's selected devices declared (:func:`weight_cap`), and its norm bound, which grows with its local
+    # steps, grows no further. One device of ten declaring 10^6 samples otherwise owned the mean. None: no cap.
+    max_weight_factor: float | None = field(default=2.0, metadata={"min": 1.0})
+    # clip every update above clip_factor x the median norm per step (x its steps) to that, with no strike; the
+    # refusal stays at refuse_factor x the norm bound. None: clip at the norm bound (norm_factor). A poisoner's
+    # weight in the mean is then at most clip_factor x a median report's, however far it is sent.
+    clip_factor: float | None = field(default=None, metadata={"min": 0.1})
+    # a commit refused (accuracy guard, a non-finite state) looks for the reports that caused it by leaving them
+    # out (rounds.RoundMachine._without_culprits) and commits without them; for that the round keeps each
+    # accepted report's contribution, up to this many MB (beyond: a refused commit is abandoned, as before)
+    guard_memory_mb: float = field(default=256.0, metadata={"min": 0.0})
 
     def __post_init__(self) -> None:
         if isinstance(self.norm_bound, str) and self.norm_bound != "auto":
@@ -77,6 +89,23 @@ class AdmissionRules:
         if plan.update == "gradient":
             return None
         return self.norm_factor * plan_norm(plan)
+
+
+def weight_cap(rules: AdmissionRules, declared: Iterable[int]) -> int | None:
+    """The most samples a report of a round may weigh: ``max_weight_factor`` times the median count its selected
+    devices declared at check-in (known when the round opens, so streaming aggregation can apply it as reports
+    arrive). None: no cap (no factor, or no counts)."""
+    ns = [int(n) for n in declared if n and n > 0]
+    if rules.max_weight_factor is None or not ns:
+        return None
+    return max(1, math.ceil(rules.max_weight_factor * float(np.median(ns))))
+
+
+def capped(report: Report, cap: int | None) -> Report:
+    """The report weighing at most ``cap`` samples (the same tensors; a new object only when it is capped)."""
+    if cap is None or report.n_samples <= cap:
+        return report
+    return replace(report, n_samples=int(cap))
 
 
 NORM_WINDOW = 32  # update norms behind the norm bound's median, across the last rounds when they are small
@@ -331,8 +360,18 @@ def admit(plan: DevicePlan, report: Report, rules: AdmissionRules, history: dict
         if not rules.clip and norm > rules.refuse_factor * bound:
             raise ReportRejected(f"update norm {norm:.4g} is above the bound {bound:.4g} by more than "
                                  f"{rules.refuse_factor:g}x")
-        report = clip_report(plan, report, bound / norm)
+    cb = clip_bound(rules, bound, history)
+    if cb is not None and norm > cb:
+        report = clip_report(plan, report, cb / norm)
     return report, norm
+
+
+def clip_bound(rules: AdmissionRules, bound: float | None, history: dict[str, Any]) -> float | None:
+    """Where a report is clipped: the norm bound, or (``clip_factor``, once a round has committed and the bound is
+    the median's) clip_factor / norm_factor of it."""
+    if bound is None or rules.clip_factor is None or rules.norm_bound != "auto" or not history.get("median_norm_per_step"):
+        return bound
+    return bound * rules.clip_factor / rules.norm_factor
 
 
 # ---------------------------------------------------------------- the plain report (ingest's fast path)
@@ -369,7 +408,7 @@ def admit_plain(plan: DevicePlan, report: PlainReport, rules: AdmissionRules,
         total += sq
         diffs[k] = d
     norm = math.sqrt(total)
-    bound = rules.bound(history, plan, report.n_samples)
+    bound = clip_bound(rules, rules.bound(history, plan, report.n_samples), history)
     if bound is not None and norm > bound:
         return None
     return diffs, norm

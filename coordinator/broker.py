@@ -87,7 +87,8 @@ class Mosquitto(_Child):
 
     def __init__(self, port: int | None = None, *, max_packet_mb: int = 64, max_queued: int = 10000,
                  auth: dict[str, Path] | None = None, tls: dict[str, Path] | None = None):
-        """``auth``: paths from :func:`coordinator.credentials.write_mosquitto_auth` (per-device ACLs).
+        """``auth``: paths from :func:`coordinator.credentials.write_mosquitto_auth` (per-device ACLs, and its
+        ``broker.conf``: client ids are user names).
         ``tls``: paths from :func:`coordinator.tls.make_broker_certs`; the listener then speaks only TLS."""
         exe = mosquitto_binary()
         if exe is None:
@@ -101,7 +102,8 @@ class Mosquitto(_Child):
             f"listener {self.port} 127.0.0.1\npersistence false\nuser {getpass.getuser()}\n"
             + (f"cafile {tls['ca.pem']}\ncertfile {tls['broker.pem']}\nkeyfile {tls['broker.key']}\n"
                "tls_version tlsv1.2\n" if tls else "")
-            + (f"allow_anonymous false\npassword_file {auth['passwd']}\nacl_file {auth['acl']}\n" if auth
+            + ((Path(auth["conf"]).read_text() if "conf" in auth else
+                f"allow_anonymous false\npassword_file {auth['passwd']}\nacl_file {auth['acl']}\n") if auth
                else "allow_anonymous true\n") +
             f"message_size_limit {max_packet_mb * 1024 * 1024}\nmax_queued_messages {max_queued}\n"
             f"max_inflight_messages 1000\nlog_dest stderr\nlog_type error\nlog_type warning\n"

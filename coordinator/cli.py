@@ -38,6 +38,27 @@ def round_line(s: dict, target: int, total_bytes: int) -> str:
             + (f", {attempts} attempts" if attempts > 1 else ""))
 
 
+def disk_full(e: BaseException) -> bool:
+    """A write that failed for want of space (or quota): the file system's, or SQLite's own."""
+    import errno
+    import sqlite3
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(e, sqlite3.OperationalError) and (getattr(e, "sqlite_errorname", None) == "SQLITE_FULL"
+                                                        or "disk is full" in str(e))
+
+
+class _DiskFullOneLine(logging.Filter):
+    """A full disk is logged as one line (what failed, and the error), not as a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        e = record.exc_info[1] if record.exc_info else None
+        if e is not None and disk_full(e):
+            record.msg, record.args = f"{record.getMessage()}: the disk is full ({e})", None
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def _writable(path: str | None, flag: str) -> None:
     if path:
         try:
@@ -133,7 +154,10 @@ def cmd_coordinator(a: argparse.Namespace) -> int:
     acc = rows[-1].get("accuracy") if rows else None
     figures = (f"final accuracy {'-' if acc is None else f'{acc:.4f}'}, {total[0] / 1e6:.2f} MB on the wire, "
                f"{time.time() - t0:.1f} s")
-    if coord.error is not None:
+    if coord.error is not None and disk_full(coord.error):
+        _say(f"coordinator stopped after round {last} of {target}: the disk is full ({coord.error}); free space "
+             "(the state directory and its write-ahead log), then run the same command to resume")
+    elif coord.error is not None:
         _say(f"coordinator failed after round {last} of {target}: {type(coord.error).__name__}: {coord.error}")
     elif coord.machine.finished:
         if last > done_before:  # (a run that was finished already said so when it started)
@@ -141,7 +165,8 @@ def cmd_coordinator(a: argparse.Namespace) -> int:
     else:
         _say(f"stopped after round {last} of {target} ({why or 'stopped'}); {figures}; run the same command to "
              "resume")
-    _write_report(a, fc, coord, rows, time.time() - t0, done_before)
+    if not (coord.error is not None and disk_full(coord.error)):  # (no room for a report either)
+        _write_report(a, fc, coord, rows, time.time() - t0, done_before)
     return 1 if coord.error else 0
 
 
@@ -225,13 +250,18 @@ def cmd_devices(a: argparse.Namespace) -> int:
     if not Path(a.state).is_file():
         raise ConfigError(f"{a.state}: no such state file")
     # read-only: opening it as a Store would tidy the report files of a coordinator running on it
+    import sqlite3
     st = StateReader(a.state)
     now = time.time()
     rej: dict[str, list[dict]] = {}
-    for r in st.rejections():
+    try:
+        rejections, devices = st.rejections(), st.devices()
+    except sqlite3.DatabaseError as e:  # not SQLite, damaged, or not a coordinator's (no such table)
+        raise ConfigError(f"{a.state}: not a coordinator state file ({e})") from None
+    for r in rejections:
         rej.setdefault(r["device_id"], []).append(r)
     print(f"{'device':<24} {'online':>6} {'free':>5} {'rejected':>8} {'strikes':>7}  quarantine / last reason")
-    for d in st.devices():
+    for d in devices:
         rs = rej.pop(d["device_id"], [])
         q = d["quarantined_until"] - now
         note = (f"for {q:.0f} s more (#{d['quarantines']})" if q > 0 else
@@ -275,9 +305,14 @@ def cmd_credentials(a: argparse.Namespace) -> int:
     """Mosquitto password and ACL files: each device confined to its own topics."""
     from .credentials import write_mosquitto_auth
     ids = [d.strip() for d in a.devices.split(",") if d.strip()]
-    paths = write_mosquitto_auth(a.out, a.fleet, ids, coordinator_user=a.coordinator_user)
-    print(f"wrote {paths['passwd']} and {paths['acl']} (password_file / acl_file in mosquitto.conf, with "
-          f"allow_anonymous false); clear-text passwords for provisioning in {paths['credentials']}")
+    paths = write_mosquitto_auth(a.out, a.fleet, ids, coordinator_user=a.coordinator_user,
+                                 ingest_workers=a.ingest_workers)
+    print(f"wrote {paths['passwd']} and {paths['acl']}, and {paths['conf']} (the lines of mosquitto.conf that use "
+          f"them, in the listener's block: allow_anonymous false, and use_username_as_clientid so that no client can "
+          f"take another's client id); clear-text passwords for provisioning in {paths['credentials']}")
+    if a.ingest_workers:
+        print(f"ingest workers: start each with its own user, `fedge ingest --broker mqtt://{a.coordinator_user}-"
+              f"ingest-<i>:<password>@host:port` (the coordinator's user is the coordinator's alone)")
     if a.tls_host:
         from .tls import make_broker_certs
         certs = make_broker_certs(a.out, a.tls_host)
@@ -315,6 +350,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         raise ConfigError(f"--clients-per-round = {a.clients_per_round} is more than --devices = {devices}")
     if a.over_selection < 1.0:
         raise ConfigError(f"--over-selection = {a.over_selection}: must be at least 1")
+    if a.broker not in ("embedded", "mosquitto"):  # anything else was taken for the embedded broker
+        from edge.runtime.mqtt import BrokerAddress
+        if not a.broker.startswith("mqtt://"):
+            raise ConfigError(f"--broker = {a.broker!r}: must be embedded, mosquitto or mqtt://host:port")
+        try:
+            BrokerAddress.parse(a.broker)
+        except ValueError as e:
+            raise ConfigError(f"--broker: {e}") from None
     runtimes = tuple(r.strip() for r in a.runtimes.split(",") if r.strip())
     bad = [r for r in runtimes if r not in (*RUNTIMES, NATIVE)]
     if bad or not runtimes:
@@ -411,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--fleet", default="default")
     k.add_argument("--devices", required=True, help="comma-separated device ids (each becomes a username)")
     k.add_argument("--coordinator-user", default="coordinator")
+    k.add_argument("--ingest-workers", type=int, default=0, metavar="N",
+                   help="also N read-only users <coordinator-user>-ingest-<i> for `fedge ingest` workers")
     k.add_argument("--out", default="runs/auth")
     k.add_argument("--tls-host", action="append", default=[], metavar="HOST",
                    help="also write a CA and a broker certificate for mqtts:// valid for HOST (repeatable)")
@@ -466,17 +511,27 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * a.verbose,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for h in logging.getLogger().handlers:
+        h.addFilter(_DiskFullOneLine())
     return run(a)
 
 
 def run(a: argparse.Namespace) -> int:
-    """A person's mistake is one line on stderr and exit code 2, never a traceback."""
-    from .store import OtherRun, StateInUse
+    """A person's mistake is one line on stderr and exit code 2, never a traceback; so is a state file that
+    cannot be resumed (damaged, or rows missing). A full disk is one line and exit code 1: once there is room,
+    the same command resumes (systemd's Restart=on-failure retries it)."""
+    from .store import BadState, OtherRun, StateInUse
     try:
         return a.fn(a)
-    except (ConfigError, StateInUse, OtherRun) as e:
+    except (ConfigError, StateInUse, OtherRun, BadState) as e:
         print(f"fedge {a.cmd}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        print(f"fedge {a.cmd}: the disk is full ({e}); free space, then run the same command again",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edge.runtime.config import ConfigError, check_field, coerce, from_dict, load_toml, unknown
 from edge.runtime.mqtt import BrokerAddress
 
@@ -120,11 +122,30 @@ def strategy_options(name: str, options: dict[str, Any], where: str = "[strategy
             raise unknown(k, list(fields), where)
         out[k] = coerce(v, hints[k], f"{where} {k}")
         check_field(fields[k], out[k], f"{where} {k}")
+        _trainable(k, out[k], f"{where} {k}")
     try:  # the strategy's own checks (presets, variants, ...) run in its __post_init__
         cls(**(defaults | out))
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"{where} {name}: {e}") from None
     return out
+
+
+def _trainable(key: str, value: Any, what: str) -> None:
+    """Options every strategy shares, refused when no device could train with them (every plan would fail on
+    the devices, and the run would only say that too many dropped out): epochs and batch size at least 1, no
+    negative learning rate, and value formats the devices encode (edge/protocol/codec.py VALUE_KINDS)."""
+    from edge.algorithms.driver import SAMPLE_DESIGNS
+    from edge.protocol.codec import VALUE_KINDS
+    if value is None:
+        return
+    if key in ("epochs", "batch_size") and value < 1:
+        raise ConfigError(f"{what} = {value!r}: must be at least 1")
+    if (key == "lr" or key.endswith("_lr")) and value < 0:
+        raise ConfigError(f"{what} = {value!r}: a learning rate must be at least 0")
+    if (key.endswith("_dtype") or key.endswith("_dtype_1d")) and value not in VALUE_KINDS:
+        raise ConfigError(f"{what} = {value!r}: must be one of {', '.join(VALUE_KINDS)}")
+    if key == "upload_sample" and value not in SAMPLE_DESIGNS:
+        raise ConfigError(f"{what} = {value!r}: must be one of {', '.join(SAMPLE_DESIGNS)}")
 
 
 def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -147,7 +168,7 @@ def load_fleet(path: str | None, *, broker: str | None = None, state: str | None
     try:
         addr = BrokerAddress.parse(broker or b.url, ca_file=b.ca_file, cert_file=b.cert_file, key_file=b.key_file)
     except ValueError as e:
-        raise ConfigError(f"[broker] {e}") from None
+        raise ConfigError(f"{'--broker' if broker else '[broker] url'}: {e}") from None
     st = from_dict(StateSection, _section(raw, "state"), "[state]")
     elig = from_dict(Eligibility, _section(raw, "eligibility"), "[eligibility]")
     adm = from_dict(AdmissionRules, _section(raw, "admission"), "[admission]")
@@ -180,7 +201,37 @@ def load_fleet(path: str | None, *, broker: str | None = None, state: str | None
         if "sizes" in _section(raw, "strategy"):
             raise ConfigError("[strategy] sizes: give the model in [model] name, not both")
         spec = _model(msec, data.test)
-    return FleetConfig(addr, state or st.path, rc, name, opts, sizes, data.test, raw, met, ing, spec)
+    elif data.test is not None:
+        _mlp_fits(sizes, data.test)
+    state_path = _state_path(st.path if state is None else state, "[state] path" if state is None else "--state")
+    return FleetConfig(addr, state_path, rc, name, opts, sizes, data.test, raw, met, ing, spec)
+
+
+def _state_path(path: str, what: str) -> str:
+    """The SQLite state file: a file's path (an empty one, or ``:memory:``, would be a database that is forgotten
+    when the coordinator stops, and so would the run)."""
+    if not path.strip() or path == ":memory:" or path.startswith("file:"):
+        raise ConfigError(f"{what} = {path!r}: give the path of the state file (the run is kept there)")
+    if Path(path).is_dir():
+        raise ConfigError(f"{what} = {path!r}: is a directory; give the path of the state file in it")
+    return path
+
+
+def _mlp_fits(sizes: list[int], test: str) -> None:
+    """The zoo MLP of [strategy] sizes against the [data] test examples: as many inputs as an example has
+    features, and an output for every label."""
+    from .datasets import check_xy, read_npz
+    d = read_npz(test, f"[data] test = {test!r}")
+    if "x" not in d or "y" not in d:
+        raise ConfigError(f"[data] test = {test!r}: needs arrays x and y")
+    x, y = check_xy(d["x"], d["y"], f"[data] test = {test!r}")
+    features, classes = int(np.prod(x.shape[1:])), int(y.max()) + 1
+    if features != sizes[0]:
+        raise ConfigError(f"[strategy] sizes = {sizes}: the model takes {sizes[0]} inputs, the [data] test examples "
+                          f"have {features} features")
+    if classes > sizes[-1]:
+        raise ConfigError(f"[strategy] sizes = {sizes}: the model has {sizes[-1]} classes, the [data] test labels "
+                          f"go up to {classes - 1} ({classes} classes)")
 
 
 def _model(m: ModelSection, test: str | None) -> dict[str, Any]:

@@ -1,7 +1,11 @@
 """The coordinator daemon: the round machine wired to MQTT, SQLite and an evaluator.
 
 Actions are carried out in order on the MQTT network thread: ``Persist`` goes to SQLite before any later
-publish, so an ack always follows a durable write.
+publish, so an ack always follows a durable write. A write that fails stops the daemon where it stands: the
+publishes that waited for it (acks among them) are dropped, and nothing more is received, written or published
+until :meth:`Coordinator.stop` (fail-stop). The round machine has already counted what the failed batch held,
+so going on would ack, as accepted or duplicate, reports that are not on disk; stopped, a device that got no ack
+resends, and the restarted coordinator (or a replay of the ingest inbox) takes the report again.
 """
 from __future__ import annotations
 
@@ -135,7 +139,9 @@ class CoordinatorConfig:
     rounds: RoundConfig
     broker: BrokerAddress = field(default_factory=BrokerAddress)
     state_path: str = "runs/coordinator/state.sqlite"
-    client_id: str = ""  # default: fedge-coordinator-<fleet>-<run id> (a new run gets a new MQTT session)
+    # default: fedge-coordinator-<fleet>-<run id>-<secret> (a new run gets a new MQTT session; the secret, kept in
+    # the state, stops a device from guessing it from its task ids and taking it over: docs/security.md)
+    client_id: str = ""
     # "shared": reports come from ingest workers through the inbox (coordinator/ingest.py), not the broker
     ingest: str = "direct"
 
@@ -164,6 +170,7 @@ class Coordinator:
         self.done = threading.Event()
         self._records: list[tuple[str, dict]] = []  # durable records of this pass, written at its end
         self._held: list[Publish] = []  # publishes that must follow those records
+        self._halted = False  # a write failed (or the machine raised): nothing more is acked, written or received
         if self.machine.finished:
             self.done.set()
         # Exports run off the network thread (ProgramCatalog(background=True)); what still runs on it is the
@@ -177,7 +184,8 @@ class Coordinator:
             report_topic = wire.topic(self.machine.cfg.fleet, "report", "+")
             subs = [t for t in subs if t != report_topic]
         self.link = MqttLink(cfg.broker, self.client_id, self, subscriptions=subs,
-                             clean_session=False, keepalive=60, tick_s=0.05, max_inflight=1000)
+                             clean_session=False, keepalive=60, tick_s=0.05, max_inflight=1000,
+                             new_id_on_takeover=True)
         if getattr(self.programs, "background", False):
             self.programs.on_ready = lambda: self.link.call_soon(lambda: None)  # wake the loop to open the round
         self.error: BaseException | None = None
@@ -187,7 +195,7 @@ class Coordinator:
             self.store.check_run(run)
         run_id = self.store.run_id()
         rc = replace(cfg.rounds, run_id=cfg.rounds.run_id or run_id)
-        self.client_id = cfg.client_id or f"fedge-coordinator-{rc.fleet}-{rc.run_id}"
+        self.client_id = cfg.client_id or f"fedge-coordinator-{rc.fleet}-{rc.run_id}-{self.store.secret('client_id')}"
         state = self.store.latest_state()
         if state is None:
             state = strategy.init(rc.seed)
@@ -254,14 +262,28 @@ class Coordinator:
         self._guard("tick", lambda: self.machine.tick(now))
 
     def _guard(self, stage: str, fn) -> None:
+        if self._halted:
+            return  # unanswered: the device resends to the coordinator that replaces this one
         try:
             with self._timed(stage):
                 actions = fn()
             self._do(actions)
         except Exception as e:  # our own bug (a disk error, say): stop loudly rather than wedge silently
-            log.exception("coordinator failed")
+            self._halt(e, "coordinator failed")
+
+    def _halt(self, e: BaseException, what: str) -> None:
+        """Fail-stop: the records not yet written and the publishes waiting for them are dropped (no ack for a
+        report whose write failed or never ran), and from now on the daemon receives, writes and publishes
+        nothing; the devices resend what went unacked, to the restarted coordinator."""
+        log.exception(what)
+        self._halted = True
+        dropped = sum(1 for a in self._held if "/ack/" in a.topic)
+        self._records, self._held = [], []
+        if dropped:
+            log.error("%d acks not sent: their records may not be on disk", dropped)
+        if self.error is None:
             self.error = e
-            self.done.set()
+        self.done.set()
 
     def _do(self, actions) -> None:
         """Durable records are written in batches (group commit): they wait for the end of the network loop's
@@ -285,6 +307,8 @@ class Coordinator:
         """Feed the machine what the ingest workers spooled, in order; rows are deleted once written (_flush)."""
         rows = self.inbox.take(self._inbox_last, 256)
         for r in rows:
+            if self._halted:
+                return  # this row and later ones stay in the inbox: a restarted coordinator replays them
             self._inbox_last = r.id
             if r.payload is None:
                 ident = r.topic.rsplit("/", 1)[-1]
@@ -295,18 +319,20 @@ class Coordinator:
                 self._guard("receive", lambda: self.machine.receive(r.topic, r.payload, now))
 
     def on_pass_end(self, link, now) -> None:
+        if self._halted:
+            return
         try:
             if self.inbox is not None:
                 self._take_inbox(now)
+                if self._halted:
+                    return
             self._flush()
             if self.inbox is not None and self._inbox_done < self._inbox_last:
                 self.inbox.delete_through(self._inbox_last)  # their effects are on disk now
                 self._inbox_done = self._inbox_last
             self._pump()
-        except Exception as e:  # a disk error: stop loudly
-            log.exception("coordinator failed to write its state")
-            self.error = e
-            self.done.set()
+        except Exception as e:  # a disk error: stop loudly, acking nothing that waited for the write
+            self._halt(e, "coordinator failed to write its state")
 
     def _pump(self) -> None:
         """Plans of the open round, as many as keep ``plan_window`` messages unconfirmed by the broker: a round of
@@ -327,6 +353,8 @@ class Coordinator:
         return records + [(a.what, a.data) for a in self.machine.checkpoint()] if records else records
 
     def _flush(self) -> None:
+        """Write the waiting records, then send the publishes that waited for them. If the write raises, they
+        are not sent (the caller halts: :meth:`_halt` drops them)."""
         records = self._batch()
         if records:
             with self._timed("persist"):
@@ -362,7 +390,7 @@ class Coordinator:
 
     def stop(self) -> None:
         self.link.stop()
-        if self._records:  # written, though their acks can no longer go out: the devices will resend
+        if self._records and not self._halted:  # written, though their acks can no longer go out: devices resend
             self.store.apply_batch(self._batch())
         self.store.close()
         if self.inbox is not None:

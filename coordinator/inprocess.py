@@ -22,7 +22,7 @@ from edge.trainers.torch_backend import TorchTrainer
 from edge.protocol.wire import Plan
 from edge.protocol.capabilities import EXTENSIONS
 
-from .admission import AdmissionRules, admit, local_steps, next_history
+from .admission import AdmissionRules, admit, capped, local_steps, next_history, weight_cap
 from .selection import device_seed, n_to_select, select_ordered
 from .strategies.base import ReportRejected, ServerState, Strategy
 
@@ -85,6 +85,8 @@ class Loop:
         acc = self.strategy.begin(self.state)
         down = up = 0
         summed: list[tuple[str, float, int]] = []  # (device, norm, steps) of the reports aggregated
+        # the most samples a report weighs, from the selected devices' counts (RoundMachine's o.n_cap)
+        cap = weight_cap(self.admission, [len(self.shards[i][0]) for i in chosen]) if commit is not None else None
         for i in [*chosen, *train_only]:
             d = self.ids[i]
             # its devices run this package's driver: they implement the protocol extensions (as a Device declares)
@@ -106,10 +108,10 @@ class Loop:
                     continue  # over-selected and not needed
                 got = wire.decode(payload, finite_updates=False)
                 try:
-                    got, norm = admit(dp, got, self.admission, self.admission_history)
+                    got, norm = admit(dp, capped(got, cap), self.admission, self.admission_history)
                 except ReportRejected:
                     continue  # as the coordinator refuses it: the next device in order takes its place
-                summed.append((d, norm, local_steps(dp, len(x))))
+                summed.append((d, norm, local_steps(dp, min(len(x), cap or len(x)))))
                 up += len(payload)
                 self.strategy.accumulate(self.state, acc, dp, got)
             elif i in chosen:

@@ -7,6 +7,7 @@ rejected there, and the eligibility rules only ever see well-typed values.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,11 @@ class DeviceRecord:
     online: bool = False
     available: bool = False  # checked in since its last task
     last_seen: float = 0.0
+    # when the coordinator expects to hear from it next: its last check-in, the time a pace message named, or the
+    # end of a plan's deadline and grace. Not heard from for the registry's stale_after_s past this, it leaves
+    # selection; for forget_after_s, the registry.
+    expect: float = 0.0
+    checkins: int = 0
     rejected: int = 0  # messages rejected, ever
     recent: deque = field(default_factory=deque)  # times of rejections within the quarantine window
     quarantines: int = 0
@@ -79,8 +85,12 @@ class DeviceRecord:
 
 
 class Registry:
-    def __init__(self, quarantine: Quarantine | None = None, *, max_devices: int = 1_000_000) -> None:
+    def __init__(self, quarantine: Quarantine | None = None, *, max_devices: int = 1_000_000,
+                 stale_after_s: float = math.inf, forget_after_s: float = math.inf) -> None:
         self.devices: dict[str, DeviceRecord] = {}
+        # registrations expire ([rounds] stale_after_s, forget_after_s; RoundMachine sets them): a check-in
+        # flood of ids that never come back holds selection and memory for that long, not for ever
+        self.stale_after_s, self.forget_after_s = stale_after_s, forget_after_s
         self.quarantine = quarantine or Quarantine()
         self.max_devices = max_devices
         # rejections of ids that never checked in (a forged topic, say): bounded, oldest forgotten first
@@ -96,8 +106,23 @@ class Registry:
         d.capabilities, d.programs, d.n_samples = dict(caps), set(programs), n_samples
         d.online = True
         d.available = available
-        d.last_seen = now
+        d.last_seen = d.expect = now
+        d.checkins += 1
         return d
+
+    def stale(self, d: DeviceRecord, now: float) -> bool:
+        """Not heard from for ``stale_after_s`` past when it was expected: out of selection until it checks in."""
+        return now > d.expect + self.stale_after_s
+
+    def expire(self, now: float, keep=()) -> list[str]:
+        """Forget the devices not heard from for ``forget_after_s`` past when they were expected (not those in
+        ``keep``, the open round's, nor a quarantined one before its quarantine ends); returns their ids."""
+        cut = now - self.forget_after_s
+        gone = [i for i, d in self.devices.items()
+                if d.expect < cut and i not in keep and not d.quarantined(now)]
+        for i in gone:
+            del self.devices[i]
+        return gone
 
     def offline(self, device_id: str) -> None:
         d = self.devices.get(device_id)
@@ -137,18 +162,19 @@ class Registry:
         return d, False
 
     def eligible(self, rules: Eligibility, now: float = 0.0) -> list[str]:
-        """Sorted ids of online, available, unquarantined devices that pass the rules (sorted: selection is
-        seeded)."""
+        """Sorted ids of online, available, unquarantined, not stale devices that pass the rules (sorted: selection
+        is seeded)."""
         return sorted(d.device_id for d in self.devices.values()
-                      if d.online and d.available and not d.quarantined(now)
+                      if d.online and d.available and not d.quarantined(now) and not self.stale(d, now)
                       and rules.reason_against(d.capabilities) is None)
 
     def registered_eligible(self, rules: Eligibility, now: float = 0.0) -> list[str]:
-        """Sorted ids of every online, unquarantined device that passes the rules, busy or not: what a
+        """Sorted ids of every online, unquarantined, not stale device that passes the rules, busy or not: what a
         reproducible round selects from (its plan waits until the device is free). A device whose last will
         said it went offline is left out: it would never be reachable."""
         return sorted(d.device_id for d in self.devices.values()
-                      if d.online and not d.quarantined(now) and rules.reason_against(d.capabilities) is None)
+                      if d.online and not d.quarantined(now) and not self.stale(d, now)
+                      and rules.reason_against(d.capabilities) is None)
 
     def quarantined(self, now: float) -> list[str]:
         return sorted(d.device_id for d in self.devices.values() if d.quarantined(now))

@@ -38,13 +38,18 @@ from edge.protocol.machine import IllegalEvent, Move, Publish, Table, lookup  # 
 from edge.runtime.program import Program
 from edge.protocol.wire import Ack, CheckIn, Chunk, Plan, PlainReport, Report, Status, WireError
 
-from .admission import (AdmissionRules, admit, admit_plain, check_key, local_steps, next_history, per_checks,
-                        plain_expected, share_memo)
+from .admission import (AdmissionRules, admit, admit_plain, capped, check_key, local_steps, next_history,
+                        per_checks, plain_expected, share_memo, weight_cap)
 from edge.protocol.capabilities import BadCapabilities, parse_capabilities
 
 from .registry import Eligibility, Pacing, Quarantine, Registry
 from .selection import Reservoir, device_seed, n_to_select, select_ordered, window_seed
 from .strategies.base import DevicePlan, ReportRejected, ServerState, Strategy, drop_differences
+
+MAX_SUSPECTS = 16  # a refused commit leaves out at most this many candidates, one at a time (the heaviest movers)
+# once the rest passes, a further report is left out only if that raises test accuracy by this much (a colluder
+# the guard alone would let through: measured, 1 of 3 sign-flippers at the bound otherwise stayed in)
+CULPRIT_MARGIN = 0.1
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -120,6 +125,9 @@ class RoundConfig:
     run_id: str = ""  # part of every task id, so a new run is never confused with an old one's messages
     chunk_bytes: int = field(default=256 * 1024, metadata={"min": 4096})
     max_message_bytes: int = field(default=wire.DEFAULT_MAX_MESSAGE_BYTES, metadata={"min": 65536})
+    # a chunked report that arrives slower than this on average (after 10 s) is dropped and counted against its
+    # device: a trickle holds a device's transfer slot (docs/security.md); 0: never
+    min_upload_kbps: float = field(default=16.0, metadata={"min": 0.0})
     eligibility: Eligibility = field(default_factory=Eligibility)
     admission: AdmissionRules = field(default_factory=AdmissionRules)
     quarantine: Quarantine = field(default_factory=Quarantine)
@@ -141,8 +149,19 @@ class RoundConfig:
     # admitted and summed in one pass, with the same result as the general path, which takes every other
     # report. False: every report goes through the general path (a comparison, or a suspicion).
     plain_path: bool = True
+    # Registrations expire (docs/operations.md, "Registrations expire"). A device is expected back at its next
+    # heartbeat (devices: every 15 s while idle), when the pace message it was sent said, or after its plan's
+    # deadline; not heard from for `stale_after_s` past that, it leaves selection until it checks in again, and
+    # for `forget_after_s` past that, the registry and its durable row (a check-in registers it again). A
+    # device's first check-in is answered with a pace of at most stale_after_s / 2, so ids that check in once
+    # and never again (a check-in flood) hold selection for at most 1.5 * stale_after_s.
+    stale_after_s: float = field(default=60.0, metadata={"min": 1.0})
+    forget_after_s: float = field(default=3600.0, metadata={"min": 1.0})
 
     def __post_init__(self) -> None:
+        if self.forget_after_s < self.stale_after_s:
+            raise ValueError(f"forget_after_s = {self.forget_after_s:g} is less than stale_after_s = "
+                             f"{self.stale_after_s:g} (a device leaves selection first, then the registry)")
         if not wire.ID_RE.match(self.fleet) or not all(c not in self.fleet for c in "+#/"):
             raise ValueError(f"fleet {self.fleet!r} is not a valid topic level ([A-Za-z0-9_.:-], at most 128)")
         if self.min_reports > self.clients_per_round:
@@ -159,7 +178,7 @@ class RoundConfig:
 @dataclass
 class Persist:
     """Write to durable state before carrying out any later action. ``what`` names the record."""
-    what: str  # device | device_offline | open | report | sums | commit | abandon | rejection
+    what: str  # device | device_offline | forget | open | report | sums | commit | abandon | rejection
     data: dict[str, Any]
 
 
@@ -205,6 +224,11 @@ class OpenRound:
     unsent: deque = field(default_factory=deque)  # selected, free, plan not sent yet (next_plans sends them)
     encoder: wire.PlanEncoder = field(default_factory=wire.PlanEncoder)  # packs shared weights once a round
     plain: dict[tuple, tuple] = field(default_factory=dict)  # check_key(plan) -> (plan, plain shapes or None, layout)
+    n_cap: int | None = None  # the most samples a report weighs (admission.weight_cap), from the selected's counts
+    # each summed report's contribution, for a refused commit's search for its culprits (None: not kept, over
+    # AdmissionRules.guard_memory_mb or restored from partial sums): device -> (plan, report) or (plan, n, diffs)
+    kept: dict[str, tuple] | None = field(default_factory=dict)
+    kept_bytes: int = 0
 
 
 def task_id(run_id: str, round_: int, attempt: int) -> str:
@@ -233,14 +257,19 @@ class RoundMachine:
                  vet: Vet | None = None):
         self.cfg, self.strategy, self.state, self.programs = cfg, strategy, state, programs
         self.registry = registry or Registry(cfg.quarantine)
+        self.registry.stale_after_s, self.registry.forget_after_s = cfg.stale_after_s, cfg.forget_after_s
+        self._swept = now  # the last sweep for registrations to forget (tick)
         self.vet = vet
         self.open: OpenRound | None = None
         self.attempt = 1
         self.idle_since = now
         self.carry_bytes = [0, 0]  # bytes of abandoned attempts, counted into the round that commits
         self.closed_tasks: list[str] = []
-        self._reasm = wire.Reassembler(max_bytes=cfg.max_message_bytes, max_open_per_sender=2,
-                                       max_total_bytes=4 * cfg.max_message_bytes)
+        # one transfer per device (its plan's report; a newer one replaces it), capacity by the bytes that
+        # arrived, and a transfer slower than min_upload_kbps dropped with a strike (tick)
+        self._reasm = wire.Reassembler(max_bytes=cfg.max_message_bytes, max_open_per_sender=1, replace=True,
+                                       max_total_bytes=4 * cfg.max_message_bytes,
+                                       min_rate=cfg.min_upload_kbps * 1000 / 8)
         self.finished = state.round >= cfg.rounds
         self.dropped_messages = 0
         self.plain_reports = 0  # reports accepted by the fast path (_take_plain), of all accepted
@@ -425,6 +454,10 @@ class RoundMachine:
         window = max(p.min_window_s, len(self.registry.devices) / p.checkins_per_s)
         eta = max(0.0, self.open.opened_at + self._round_s - now) if self.open is not None else 0.0
         after = min(p.max_after_s, eta + float(self._pace_rng.uniform(0.5 * window, 1.5 * window)))
+        rec = self.registry.devices[device_id]
+        if rec.checkins < 2:  # a new device proves it is there by coming back soon; an id sent once goes stale
+            after = min(after, 0.5 * self.cfg.stale_after_s)
+        rec.expect = max(rec.expect, now + after)
         return self._publish("pace", device_id, wire.Pace(device_id, after), "pace")
 
     def _on_status(self, m: Status, now: float) -> list[Action]:
@@ -479,12 +512,14 @@ class RoundMachine:
             declared = self.registry.devices[r.device_id].n_samples
             if r.n_samples != declared:  # the sample count weighs the report: it must be the one we selected on
                 raise ReportRejected(f"sample count {r.n_samples} differs from the {declared} it declared")
-            admitted, norm = admit(plan, r, self.cfg.admission, self.history)
+            # a count above the round's cap weighs (and is bounded) as the cap: its record keeps the declared one
+            admitted, norm = admit(plan, capped(r, o.n_cap), self.cfg.admission, self.history)
             if self.cfg.reproducible:
                 drop_differences(admitted)  # it waits for its turn; the sum recomputes w_s - w then
                 o.held[r.device_id] = (r, raw, admitted, norm, self._delivery)
                 return self._settle(now)
             self.strategy.accumulate(self.state, o.acc, plan, admitted)
+            self._keep(o, r.device_id, (plan, admitted))
         except ReportRejected as e:
             self._mark_gone(r.device_id, "rejected")
             return (self._reject(r.device_id, "report", f"{r.task_id}: {e}", now)
@@ -552,12 +587,14 @@ class RoundMachine:
         reports)."""
         o = self.open
         if (r is None or r.device_id != ident or r.task_id != o.task_id
-                or r.n_samples != self.registry.devices[ident].n_samples):
+                or r.n_samples != self.registry.devices[ident].n_samples
+                or (o.n_cap is not None and r.n_samples > o.n_cap)):  # the general path caps its weight
             return None
         admitted = admit_plain(plan, r, self.cfg.admission, self.history)
         if admitted is None:
             return None
         self.strategy.accumulate_plain(self.state, o.acc, plan, ident, r.n_samples, admitted[0])
+        self._keep(o, ident, (plan, r.n_samples, admitted[0]))
         self.plain_reports += 1
         return self._accepted(o, r, admitted[1], raw, now)
 
@@ -565,7 +602,23 @@ class RoundMachine:
         move = self._move("tick")
         for sender, mid in self._reasm.expire(now):
             log.warning("incomplete transfer %s from %s timed out", mid, sender)
-        return getattr(self, move.handler)(now)
+        out: list[Action] = []
+        for sender, mid in self._reasm.slow(now):
+            out += self._reject(sender, "report", f"chunked transfer {mid} trickled below "
+                                f"{self.cfg.min_upload_kbps:g} kbit/s", now)
+        if now - self._swept >= 1.0:
+            self._swept = now
+            out += self._forget(now)
+        return out + getattr(self, move.handler)(now)
+
+    def _forget(self, now: float) -> list[Action]:
+        """Registrations not heard from for ``forget_after_s`` past when they were expected leave the registry."""
+        gone = self.registry.expire(now, keep=self.open.plans if self.open is not None else ())
+        if not gone:
+            return []
+        log.info("forgot %d device(s) not heard from for %.0f s past their expected check-in (%s%s)", len(gone),
+                 self.cfg.forget_after_s, ", ".join(gone[:5]), ", ..." if len(gone) > 5 else "")
+        return [Persist("forget", {"device_ids": gone})]
 
     def open_round(self, eligible: list[str], now: float) -> list[Action]:
         """Open the next round over ``eligible`` now (``tick`` does this by itself when enough are eligible)."""
@@ -654,6 +707,7 @@ class RoundMachine:
                 break  # an earlier device's report has not come: later ones wait in order
             plan, admitted = o.pending.pop(d)
             self.strategy.accumulate(self.state, o.acc, plan, admitted)
+            self._keep(o, d, (plan, admitted))
             o.summed.append(d)
         return out
 
@@ -717,7 +771,7 @@ class RoundMachine:
     def _eligible_now(self, device_id: str, now: float) -> bool:
         rec = self.registry.devices.get(device_id)
         return (rec is not None and rec.online and rec.available and not rec.quarantined(now)
-                and self.cfg.eligibility.reason_against(rec.capabilities) is None)
+                and not self.registry.stale(rec, now) and self.cfg.eligibility.reason_against(rec.capabilities) is None)
 
     def _programs_missing(self, plans: dict[str, DevicePlan] | None) -> bool:
         """Whether a program these plans need is still being built (in the background, off the network thread;
@@ -753,6 +807,7 @@ class RoundMachine:
             return []
         o = OpenRound(rnd, self.attempt, task, chosen, now + self.cfg.round_timeout_s, now, plans,
                       self.strategy.begin(self.state))
+        o.n_cap = weight_cap(self.cfg.admission, [self._samples(d) for d in chosen])
         self.open = o
         out: list[Action] = [Persist("open", {"round": rnd, "attempt": self.attempt, "task_id": task,
                                               "selected": chosen, "deadline": o.deadline, "opened_at": now})]
@@ -763,6 +818,9 @@ class RoundMachine:
             else:  # reproducible mode selects busy devices too: the plan goes out when it checks in free
                 o.waiting.add(d)
             self.registry.busy(d)
+            # it checks in when its plan ends: at the latest when it gives up resending (edge/protocol/agent.py,
+            # report_grace_s = 30 s past the deadline)
+            rec.expect = max(rec.expect, o.deadline + 30.0)
         log.info("round %d attempt %d: %d devices selected from %d eligible", rnd, self.attempt, len(chosen),
                  offered if offered is not None else len(eligible))
         self._window = None
@@ -847,10 +905,11 @@ class RoundMachine:
     def _recent_limit(self, device: str) -> int:
         return max((lim.get(device, 0) for lim in self._recent_limits), default=0)
 
-    def _candidate(self, o: OpenRound) -> tuple[ServerState | None, dict[str, float], str]:
-        """The state this round would commit, its metrics, and why it must not commit ("" if it may)."""
+    def _candidate(self, o: OpenRound, acc: Any = None) -> tuple[ServerState | None, dict[str, float], str]:
+        """The state this round would commit (from ``acc``, default the round's sums), its metrics, and why it
+        must not commit ("" if it may)."""
         try:
-            new = self.strategy.finish(self.state, o.acc)
+            new = self.strategy.finish(self.state, o.acc if acc is None else acc)
         except Exception as e:  # noqa: BLE001 - reports were admitted; a failure here still must not stop us
             log.exception("round %d: the server step failed", o.round)
             return None, {}, f"server step failed: {type(e).__name__}: {e}"
@@ -874,35 +933,109 @@ class RoundMachine:
                 return None, metrics, f"test accuracy would fall from {prev:.4f} to {acc:.4f}"
         return new, metrics, ""
 
+    def _keep(self, o: OpenRound, device: str, item: tuple) -> None:
+        """Keep a summed report's contribution for :meth:`_without_culprits`, within guard_memory_mb."""
+        if o.kept is None:
+            return
+        arrays = item[-1].values() if len(item) == 3 else item[1].tensors.values()
+        o.kept_bytes += sum(getattr(a, "values", a).nbytes for a in arrays)
+        if o.kept_bytes > self.cfg.admission.guard_memory_mb * 1e6:
+            log.info("round %d: reports kept for the commit's guard exceed %.0f MB; not kept", o.round,
+                     self.cfg.admission.guard_memory_mb)
+            o.kept = None
+            return
+        if len(item) == 2:
+            drop_differences(item[1])  # the sum is done; a rebuild computes w_s - w again
+        o.kept[device] = item
+
+    def _rebuild(self, devices: list[str]) -> Any:
+        """The open round's sums over ``devices``' kept reports only (in that order)."""
+        o = self.open
+        acc = self.strategy.begin(self.state)
+        for d in devices:
+            item = o.kept[d]
+            if len(item) == 3:
+                self.strategy.accumulate_plain(self.state, acc, item[0], d, item[1], item[2])
+            else:
+                self.strategy.accumulate(self.state, acc, item[0], item[1])
+                drop_differences(item[1])
+        return acc
+
+    def _without_culprits(self, o: OpenRound, used: list[str]) -> tuple[ServerState, dict[str, float], list[str]] | None:
+        """A refused commit (accuracy guard, a non-finite state): the reports that caused it, found by leaving
+        reports out one at a time (greedily: each step leaves out the one whose absence gives the best state:
+        finite, passing the guard, then the highest accuracy and the lowest loss), until the rest passes. At most
+        a minority goes, and only among the MAX_SUSPECTS heaviest movers (weight x norm). Returns the state, its
+        metrics and the culprits, or None (their contributions not kept, or no minority's absence helps)."""
+        if o.kept is None or not set(used) <= set(o.kept) or len(used) < 2:
+            return None
+        weight = {d: min(self._samples(d), o.n_cap or math.inf) * o.norms.get(d, 0.0) for d in used}
+        suspects = sorted(used, key=lambda d: -weight[d])[:MAX_SUSPECTS]
+        out: list[str] = []
+        passed = None  # (state, metrics, culprits) of the first set that passes
+        for _ in range((len(used) - 1) // 2):
+            best = None
+            for d in suspects:
+                if d in out:
+                    continue
+                new, metrics, why = self._candidate(o, self._rebuild([x for x in used if x not in out and x != d]))
+                acc, loss = metrics.get("accuracy"), metrics.get("loss")
+                score = (new is not None, not why, -math.inf if acc is None else acc,
+                         -loss if loss is not None and math.isfinite(loss) else -math.inf)
+                if best is None or score > best[0]:
+                    best = (score, d, new, metrics, why)
+            if best is None:
+                break
+            if passed is not None:  # the rest passed: one more only if its absence clearly helps
+                before, after = passed[1].get("accuracy"), best[3].get("accuracy")
+                if best[4] or before is None or after is None or after < before + CULPRIT_MARGIN:
+                    break
+            out.append(best[1])
+            if not best[4]:
+                passed = (best[2], best[3], list(out))
+        return passed
+
     def _commit(self, now: float) -> list[Action]:
         o = self.open
         new, metrics, why = self._candidate(o)
+        excluded: list[str] = []
+        strikes: list[Action] = []
         if why:
-            return self._abandon(now, f"commit refused: {why}")
+            found = self._without_culprits(o, list(o.summed if self.cfg.reproducible else sorted(o.accepted)))
+            if found is None:
+                return self._abandon(now, f"commit refused: {why}")
+            new, metrics, excluded = found
+            log.warning("round %d: commit refused (%s); committing without %s, whose reports caused it", o.round,
+                        why, ", ".join(excluded))
+            for d in excluded:  # strikes: enough of them quarantine the device
+                strikes += self._reject(d, "report", f"{o.task_id}: left out of the commit, which without it was "
+                                        f"refused ({why})", now)
         self._close(now)
-        # the norm bound's reference: this round's update norms per local step (admission.next_history)
-        hist = next_history(self.history, [o.norms[d] / local_steps(o.plans[d], self._samples(d))
-                                           for d in sorted(o.norms)])
+        # the norm bound's reference: this round's update norms per local step (admission.next_history), of the
+        # reports it commits, each at the steps of the samples it weighs (a capped count: the cap's)
+        hist = next_history(self.history, [o.norms[d] / local_steps(o.plans[d], min(self._samples(d),
+                                                                                   o.n_cap or math.inf))
+                                           for d in sorted(o.norms) if d not in excluded])
         if "accuracy" in metrics:
             hist["accuracy"] = float(metrics["accuracy"])
         new.meta = dict(new.meta) | {ADMISSION_KEY: hist}
         self.state = new
         self.last_metrics = metrics
-        used = o.summed if self.cfg.reproducible else sorted(o.accepted)
+        used = [d for d in (o.summed if self.cfg.reproducible else sorted(o.accepted)) if d not in excluded]
         # reproducible mode counts the first complete delivery of each committed report (a resend, or the
         # timing of over-selected reports, must not change the figures); production counts every delivery
         up = sum(o.up[d] for d in o.summed) if self.cfg.reproducible else o.bytes_up
         summary = {"round": o.round, "task_id": o.task_id, "attempts": o.attempt, "reports": len(used),
                    "selected": len(o.selected), "dropped": len(o.selected) - len(used), "accepted": sorted(used),
                    "bytes_down": o.bytes_down + self.carry_bytes[0], "bytes_up": up + self.carry_bytes[1],
-                   "wall_s": now - o.opened_at} | metrics
+                   "wall_s": now - o.opened_at} | ({"excluded": sorted(excluded)} if excluded else {}) | metrics
         strategy_metrics = getattr(self.strategy, "metrics", None)
         if strategy_metrics is not None:
             summary |= strategy_metrics(self.state)
         self.carry_bytes = [0, 0]
         self.attempt = 1
-        log.info("round %d committed with %d reports (%d selected)", o.round, len(o.accepted), len(o.selected))
-        out: list[Action] = [Persist("commit", {"round": o.round, "task_id": o.task_id, "state": self.state,
+        log.info("round %d committed with %d reports (%d selected)", o.round, len(used), len(o.selected))
+        out: list[Action] = strikes + [Persist("commit", {"round": o.round, "task_id": o.task_id, "state": self.state,
                                                 "summary": summary}),
                              RoundCommitted(summary, self.state)] + self._release(o)
         if self.state.round >= self.cfg.rounds:
@@ -928,8 +1061,10 @@ class RoundMachine:
         plans = self._plans(info["selected"])
         o = OpenRound(info["round"], info["attempt"], info["task_id"], list(info["selected"]), info["deadline"],
                       info["opened_at"], plans, self.strategy.begin(self.state))
+        o.n_cap = weight_cap(self.cfg.admission, [self._samples(d) for d in o.selected])
         summed = info.get("accepted") or []
         if summed:
+            o.kept = None  # their contributions are in the sums only: a refused commit cannot leave one out
             if info.get("sums") is None:  # the records and the sums are written in one transaction
                 raise ValueError(f"{info['task_id']}: {len(summed)} accepted reports without their sums")
             o.acc = self.strategy.restore_snapshot(self.state, info["sums"], {d: plans[d] for d, _, _ in summed})
@@ -940,7 +1075,7 @@ class RoundMachine:
         for payload in reports:
             r = wire.decode(payload, max_bytes=self.cfg.max_message_bytes, expect=("report",), finite_updates=False)
             try:
-                admitted, norm = admit(plans[r.device_id], r, self.cfg.admission, self.history)
+                admitted, norm = admit(plans[r.device_id], capped(r, o.n_cap), self.cfg.admission, self.history)
             except ReportRejected as e:  # only if the operator tightened the rules across the restart
                 log.error("report %s from %s, accepted before the restart, fails today's rules: %s",
                           r.task_id, r.device_id, e)
@@ -954,6 +1089,7 @@ class RoundMachine:
                 o.up[r.device_id] = len(payload)
             else:
                 self.strategy.accumulate(self.state, o.acc, plans[r.device_id], admitted)
+                self._keep(o, r.device_id, (plans[r.device_id], admitted))
         if self.cfg.reproducible:
             self._accept_in_order(o)
             # which plans went out before the crash is not known: a device that checks in free gets its plan

@@ -7,7 +7,6 @@ coordinator.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sqlite3
@@ -21,7 +20,7 @@ from typing import Any
 from edge.runtime.config import ConfigError
 
 from .metrics import _row, reason_kind, run_status
-from .store import Store
+from .store import Store, lock_held, lock_holder
 
 
 class StateReader(Store):
@@ -61,18 +60,12 @@ class StateReader(Store):
 
 
 def coordinator_running(path: str | Path) -> int | None:
-    """The pid of the coordinator that holds this state (its exclusive lock), or None if none does."""
-    lock = Path(str(path) + ".lock")
-    if not lock.is_file():
+    """The pid of the coordinator that holds this state (its exclusive lock, :meth:`Store._take_lock`), -1 if
+    ``<path>.lock`` does not name it, or None if none holds it."""
+    if not lock_held(path):
         return None
-    with open(lock) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            who = f.read().strip()
-            return int(who.split()[-1]) if who.startswith("pid ") and who.split()[-1].isdigit() else -1
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return None
+    who = lock_holder(path)
+    return int(who.split()[-1]) if who.startswith("pid ") and who.split()[-1].isdigit() else -1
 
 
 def from_state(path: str | Path, *, last_rounds: int = 20, now: float | None = None) -> dict[str, Any]:
@@ -216,7 +209,9 @@ def render(s: dict[str, Any], *, rounds: int = 10, width: int = 30) -> str:
             out.append(f"{r['round']:>5} {_f(r.get('accuracy')):>8} {_f(r.get('loss'), '.3f'):>7} "
                        f"{_mb(r['bytes_down']):>8} {_mb(r['bytes_up']):>8} {r.get('reports') or 0:>7} "
                        f"{r.get('dropped') or 0:>7} {_f(r.get('wall_s'), '.2f'):>7}"
-                       + (f"  ({r['attempts']} attempts)" if (r.get("attempts") or 1) > 1 else ""))
+                       + (f"  ({r['attempts']} attempts)" if (r.get("attempts") or 1) > 1 else "")
+                       + (f"  excluded: {', '.join(_clean(d, 24) for d in r['excluded'][:8])}"
+                          if r.get("excluded") else ""))
     q = s.get("quarantined") or []
     if q:
         out.append("")

@@ -18,7 +18,9 @@ deletion walks every page, which capped ingest near 100 reports/s for 0.8 MB rep
 benchmarks/fedavg_mqtt.py), and a file per report cost a create, a write and a rename each. Writes come in
 batches (:meth:`Store.apply_batch`, one per pass of the daemon's network loop): the batch's payloads are
 appended and flushed first, then one transaction indexes them, so a row always points at bytes that are
-there, and the daemon acks a report only after its batch is written (group commit). With ``fsync`` the
+there, and the daemon acks a report only after its batch is written (group commit); a batch that raises has
+written no row (its transaction rolls back) and the daemon then acks none of it (coordinator/daemon.py halts).
+A committed round's row is final (the trigger ``committed_rounds_are_final``). With ``fsync`` the
 logs and sums slots are fsynced (with their directory when one is created) and SQLite runs
 ``synchronous=FULL``, which survives a power cut; without (the default),
 like WAL with synchronous=NORMAL, a batch survives a process crash (the coordinator's failure mode).
@@ -52,6 +54,8 @@ CREATE TABLE IF NOT EXISTS reports (task_id TEXT, device_id TEXT, n INTEGER, fil
                                     PRIMARY KEY (task_id, device_id));
 CREATE TABLE IF NOT EXISTS metrics (round INTEGER PRIMARY KEY, data TEXT);
 CREATE TABLE IF NOT EXISTS sums (task_id TEXT PRIMARY KEY, blob BLOB NOT NULL);
+CREATE TRIGGER IF NOT EXISTS committed_rounds_are_final BEFORE UPDATE ON rounds WHEN OLD.status = 'committed'
+BEGIN SELECT RAISE(ABORT, 'a committed round is final: its record is never rewritten'); END;
 """
 
 
@@ -66,44 +70,133 @@ class OtherRun(RuntimeError):
     """The state file holds another run (strategy, model, data or seed differ)."""
 
 
+class BadState(RuntimeError):
+    """The state file cannot be resumed: not SQLite, damaged or truncated, or rows of the run are missing (a
+    committed round without its model, say). Refused rather than started afresh, which would forget the run."""
+
+
+class _StateLock:
+    """The descriptor that holds a store's lock (:meth:`Store._take_lock`); closing it frees the lock."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def lock_holder(path: str | Path) -> str:
+    """Who holds a state's lock, as ``<path>.lock`` names it ("another process" if it does not)."""
+    try:
+        return Path(str(path) + ".lock").read_text().strip()[:40] or "another process"
+    except OSError:
+        return "another process"
+
+
+def lock_held(path: str | Path) -> bool:
+    """Whether a coordinator holds this state's lock (:meth:`Store._take_lock`) now."""
+    try:
+        fd = os.open(str(path) + ".reports", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 class Store:
     def __init__(self, path: str | Path, *, keep_states: int = 2, lock: bool = False, fsync: bool = False):
-        """``lock``: hold an exclusive lock on ``<path>.lock`` for as long as this store is open, so a second
-        coordinator on the same state refuses to start (:class:`StateInUse`) instead of fighting the first
-        for its broker session."""
+        """``lock``: hold an exclusive lock on the state (:meth:`_take_lock`) for as long as this store is open,
+        so a second coordinator on the same state refuses to start (:class:`StateInUse`) instead of fighting
+        the first for its broker session and its rounds."""
         self.path = str(path)
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = self._take_lock() if lock else None
         self.reports_dir = Path(self.path + ".reports")
         self.reports_dir.mkdir(exist_ok=True)
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA page_size=65536")  # state blobs are large; takes effect on a new database
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.fsync = fsync
-        # WAL + NORMAL: durable across process crashes; FULL: across power cuts too
-        self.db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
-        self._logs: dict[str, Any] = {}  # task id -> its open report log
-        self._slots: dict[str, int | None] = {}  # task id -> the sums slot its row points at (None: no row yet)
-        self.db.executescript(SCHEMA)
-        self._add_columns()
+        self.db = None
+        try:
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA page_size=65536")  # state blobs are large; takes effect on a new database
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.fsync = fsync
+            # WAL + NORMAL: durable across process crashes; FULL: across power cuts too
+            self.db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+            self._logs: dict[str, Any] = {}  # task id -> its open report log
+            self._slots: dict[str, int | None] = {}  # task id -> the sums slot its row points at (None: no row yet)
+            self._check_whole()
+            self.db.executescript(SCHEMA)
+            self._add_columns()
+            self._check_rows()
+        except BaseException as e:
+            if self.db is not None:
+                self.db.close()
+            if self._lock is not None:
+                self._lock.close()
+            if isinstance(e, sqlite3.DatabaseError) and e.sqlite_errorname in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+                raise BadState(f"{self.path} is not a whole fedge state file ({e}); restore it from a backup, or "
+                               "give a new state path to start another run") from None
+            if isinstance(e, sqlite3.DatabaseError) and e.sqlite_errorname == "SQLITE_CANTOPEN":
+                raise BadState(f"{self.path}: cannot open the state file ({e})") from None
+            raise
         self.keep_states = keep_states
         self._drop_orphans()
 
-    def _take_lock(self):
-        f = open(self.path + ".lock", "a+")
+    def _check_whole(self) -> None:
+        """SQLite's own check of an existing file (its first problem only): a truncated or overwritten file is
+        refused before anything reads or tidies it."""
+        if Path(self.path).stat().st_size == 0:
+            return  # new (SQLite makes a database of an empty file)
+        row = self.db.execute("PRAGMA quick_check(1)").fetchone()
+        if row is None or row[0] != "ok":
+            what = " ".join(str(row[0]).replace("*** in database main ***", "").split()) if row else "no answer"
+            raise BadState(f"{self.path} is damaged ({what}); restore it from a backup, "
+                           "or give a new state path to start another run")
+
+    def _check_rows(self) -> None:
+        """The model of the last committed round must be there (a state without it would resume from a fresh
+        model, and say it resumed)."""
+        last = self.db.execute("SELECT MAX(round) FROM rounds WHERE status='committed'").fetchone()[0]
+        have = self.db.execute("SELECT MAX(round) FROM state").fetchone()[0]
+        if last is not None and have != last:
+            raise BadState(f"{self.path}: round {last} is committed but "
+                           + ("no model is saved" if have is None else f"the last model saved is of round {have}")
+                           + "; restore the state file from a backup, or give a new state path to start another run")
+        if last is None and have:
+            raise BadState(f"{self.path}: the model of round {have} is saved but no committed round is; restore the "
+                           "state file from a backup, or give a new state path to start another run")
+
+    def _take_lock(self) -> "_StateLock":
+        """An exclusive ``flock`` on the state's reports directory (``<path>.reports``, made if missing), held
+        on an open descriptor until :meth:`close` or the process's end (a SIGKILL too). It is the lock: deleting
+        a file frees nothing (removing the directory itself would lose the open round's reports whatever the
+        lock). Not the database file itself: closing any descriptor of it would
+        drop SQLite's own POSIX locks in this process. ``<path>.lock`` only names the holder (``pid N``) for a
+        second coordinator's message and ``fedge status``; deleting it frees nothing."""
+        where = Path(self.path + ".reports")
+        where.mkdir(exist_ok=True)
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            who = f.read().strip() or "another process"
-            f.close()
-            raise StateInUse(f"{self.path} is in use by another coordinator ({who}); stop it first, or give this "
-                             "one its own state path") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}")
-        f.flush()
-        return f
+            os.close(fd)
+            raise StateInUse(f"{self.path} is in use by another coordinator ({lock_holder(self.path)}); stop it "
+                             "first, or give this one its own state path") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            with open(self.path + ".lock", "w") as f:
+                f.write(f"pid {os.getpid()}")
+        except OSError:  # a name for messages only: the lock is held
+            pass
+        return _StateLock(fd)
 
     def _add_columns(self) -> None:
         """State files written before a column existed get it (with its default)."""
@@ -125,6 +218,13 @@ class Store:
         rid = secrets.token_hex(4)
         self.db.execute("INSERT OR IGNORE INTO meta VALUES ('run_id', ?)", (rid,))
         return self.db.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()[0]
+
+    def secret(self, name: str) -> str:
+        """A random token made once per state file and kept (the tail of the coordinator's MQTT client id, which
+        a device must not be able to guess from the run id in its task ids: docs/security.md)."""
+        key = f"secret:{name}"
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (key, secrets.token_hex(8)))
+        return self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0]
 
     def _drop_orphans(self) -> None:
         """Report logs of tasks that are no longer open (a crash between commit and cleanup)."""
@@ -192,7 +292,10 @@ class Store:
 
     def close(self) -> None:
         for f in self._logs.values():
-            f.close()
+            try:
+                f.close()
+            except OSError:  # bytes of a batch that failed (a full disk): no row points at them
+                pass
         self._logs.clear()
         self.db.close()
         if self._lock is not None:
@@ -268,8 +371,13 @@ class Store:
                         int(d.get("available", True))))
         elif what == "device_offline":
             db.execute("UPDATE devices SET online=0, available=0 WHERE device_id=?", (d["device_id"],))
+        elif what == "forget":  # not heard from for [rounds] forget_after_s: it registers again if it checks in
+            db.executemany("DELETE FROM devices WHERE device_id=?", [(x,) for x in d["device_ids"]])
         elif what == "open":
-            db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?,'open',NULL)",
+            # an UPDATE on a task id met before (committed_rounds_are_final refuses it for a committed one)
+            db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,'open',NULL) ON CONFLICT(task_id) DO UPDATE SET "
+                       "round=excluded.round, attempt=excluded.attempt, selected=excluded.selected, "
+                       "deadline=excluded.deadline, opened_at=excluded.opened_at, status='open', summary=NULL",
                        (d["round"], d["attempt"], d["task_id"], json.dumps(d["selected"]), d["deadline"],
                         d["opened_at"]))
             # busy until they check in again, across a restart too
@@ -288,9 +396,10 @@ class Store:
             db.execute("DELETE FROM sums WHERE task_id=?", (d["task_id"],))
         elif what == "commit":
             st: ServerState = d["state"]
-            db.execute("INSERT OR REPLACE INTO state VALUES (?,?)", (st.round, st.to_bytes()))
             db.execute("UPDATE rounds SET status='committed', summary=? WHERE task_id=?",
                        (json.dumps(d["summary"]), d["task_id"]))
+            # a round's model is written once: a second commit of the round fails (and rolls the batch back)
+            db.execute("INSERT INTO state VALUES (?,?)", (st.round, st.to_bytes()))
             db.execute("DELETE FROM reports WHERE task_id=?", (d["task_id"],))
             db.execute("DELETE FROM sums WHERE task_id=?", (d["task_id"],))
             db.execute("DELETE FROM state WHERE round <= ?", (st.round - self.keep_states,))

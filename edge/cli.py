@@ -47,6 +47,9 @@ def cmd_device(a: argparse.Namespace) -> int:
         raise ConfigError("fedge device: need --id and --data (or a [device] section in --config)")
     if not wire.ID_RE.match(dev_id):
         raise ConfigError(f"device id {dev_id!r}: use 1-128 of A-Z a-z 0-9 _ . : - (it becomes a topic level)")
+    fleet = a.fleet or d.fleet
+    if not wire.ID_RE.match(fleet):
+        raise ConfigError(f"fleet {fleet!r}: use 1-128 of A-Z a-z 0-9 _ . : - (it becomes a topic level)")
     caps = dict(conf.get("capabilities", {})) | ({"runtime": a.runtime} if a.runtime else {})
     try:
         parse_capabilities(caps)
@@ -62,7 +65,7 @@ def cmd_device(a: argparse.Namespace) -> int:
     except (OSError, KeyError, ValueError) as e:
         raise ConfigError(f"[device] data = {data!r}: {e}") from None
     dev = device_from_files(dev_id, data, a.state_dir or d.state_dir or f"runs/device-{dev_id}", url,
-                            fleet=d.fleet, capabilities=caps,
+                            fleet=fleet, capabilities=caps,
                             tls={"ca_file": a.ca_file or d.ca_file, "cert_file": d.cert_file, "key_file": d.key_file})
     dev.start()
     stop = threading.Event()
@@ -82,6 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--data", help=".npz with x and y")
     d.add_argument("--state-dir")
     d.add_argument("--broker")
+    d.add_argument("--fleet", help="the fleet name (default: [device] fleet, else 'default')")
     d.add_argument("--runtime", choices=["torch", "ort", "executorch"])
     d.add_argument("--ca-file", help="CA certificate of an mqtts:// broker")
     d.set_defaults(fn=cmd_device)

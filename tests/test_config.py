@@ -99,3 +99,75 @@ def test_credentials_command_is_one_line_on_a_bad_id(tmp_path, capsys):
     assert main(["credentials", "--devices", "d1,d:x", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "d:x" in err
+
+
+# ---- configs that start but could never train (issue #30): refused at start, one line naming the key, exit 2
+def _npz(path, features: int, classes: int) -> str:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    np.savez(path, x=rng.normal(size=(40, features)).astype(np.float32), y=np.arange(40) % classes)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[strategy]\nepochs = 0\n", "[strategy] epochs = 0: must be at least 1"),
+    ("[strategy]\nbatch_size = 0\n", "[strategy] batch_size = 0: must be at least 1"),
+    ("[strategy]\nname = 'fedprox'\nepochs = -1\n", "[strategy] epochs = -1: must be at least 1"),
+    ("[strategy]\nlr = -0.1\n", "[strategy] lr = -0.1: a learning rate must be at least 0"),
+    ("[strategy]\nname = 'fedsparse'\nserver_lr = -1\n", "[strategy] server_lr = -1.0: a learning rate"),
+    ("[strategy]\nupload_dtype = 'f16'\n", "[strategy] upload_dtype = 'f16': must be one of f4, f2, bf16, q8, q8r"),
+    ("[strategy]\nupload_dtype_1d = 'i8'\n", "[strategy] upload_dtype_1d = 'i8': must be one of"),
+    ("[strategy]\ndown_dtype = 'float16'\n", "[strategy] down_dtype = 'float16': must be one of"),
+    ("[strategy]\nname = 'fedmix'\nupload_dtype = 'f16'\n", "[strategy] upload_dtype = 'f16': must be one of"),
+    ("[strategy]\nupload_sample = 'random'\n", "[strategy] upload_sample = 'random': must be one of norm, uniform"),
+    ("[strategy]\nsizes = [64, 32, 5]\n[data]\ntest = '{t10}'\n",
+     "[strategy] sizes = [64, 32, 5]: the model has 5 classes, the [data] test labels go up to 9"),
+    ("[strategy]\nsizes = [32, 10]\n[data]\ntest = '{t10}'\n",
+     "[strategy] sizes = [32, 10]: the model takes 32 inputs, the [data] test examples have 64 features"),
+    ("[data]\ntest = '{t32}'\n", "the model takes 64 inputs, the [data] test examples have 32 features"),
+    ("[model]\nname = 'mlp'\ninput = [32]\n[data]\ntest = '{t10}'\n", "[model] input = [32]: the [data] test"),
+    ("[state]\npath = ''\n", "[state] path = '': give the path of the state file"),
+    ("[state]\npath = ':memory:'\n", "[state] path = ':memory:': give the path of the state file"),
+    ("[state]\npath = '{dir}'\n", "is a directory"),
+    ("[broker]\nurl = 'mqtt//host:1883'\n", "[broker] url: a broker address has no path: 'mqtt//host:1883'"),
+    ("[broker]\nurl = 'mqtt://:1883'\n", "[broker] url: no host in broker address 'mqtt://:1883'"),
+    ("[broker]\nurl = 'mqtt://host:1883/fleet'\n", "[broker] url: a broker address has no path"),
+    ("[broker]\nurl = 'mqtt://host:'\n", "[broker] url: bad port in broker address"),
+    ("[broker]\nurl = 'mqtt://host:0'\n", "[broker] url: bad port in broker address"),
+    ("[broker]\nurl = 'mqtt://host:70000'\n", "[broker] url: bad port in broker address"),
+])
+def test_configs_that_could_never_train_are_refused_at_start(tmp_path, capsys, text, says):
+    text = text.format(t10=_npz(tmp_path / "t10.npz", 64, 10), t32=_npz(tmp_path / "t32.npz", 32, 10),
+                       dir=tmp_path)
+    rc = main(["coordinator", "--config", fleet(tmp_path, text)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("fedge coordinator: ") and says in err, err
+
+
+def test_command_line_overrides_are_checked_too(tmp_path, capsys):
+    assert main(["coordinator", "--state", ""]) == 2
+    assert "--state = '': give the path of the state file" in capsys.readouterr().err
+    assert main(["coordinator", "--broker", "mqtt//h:1883"]) == 2
+    assert "--broker: a broker address has no path" in capsys.readouterr().err
+    assert main(["-v", "coordinator", "--config", fleet(tmp_path, "[strategy]\nepochs = 0\n")]) == 2
+
+
+def test_a_binary_or_unreadable_config_is_one_line(tmp_path, capsys):
+    p = tmp_path / "fleet.toml"
+    p.write_bytes(bytes(range(256)) * 8)
+    assert main(["coordinator", "--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fleet.toml: not valid TOML: not UTF-8 text" in err
+
+
+def test_good_configs_still_load(tmp_path):
+    t10 = _npz(tmp_path / "t10.npz", 64, 10)
+    fc = load_fleet(fleet(tmp_path, f"[strategy]\nsizes = [64, 32, 10]\nepochs = 2\nbatch_size = 8\nlr = 0\n"
+                                    f"upload_dtype = 'q8r'\nupload_dtype_1d = 'f2'\ndown_dtype = 'bf16'\n"
+                                    f"[data]\ntest = '{t10}'\n[state]\npath = '{tmp_path / 's.sqlite'}'\n"
+                                    "[broker]\nurl = 'mqtts://u:p@broker.example:8883/'\n"))
+    assert fc.strategy_options["upload_dtype"] == "q8r" and fc.broker.host == "broker.example"
+    assert load_fleet(fleet(tmp_path, "[broker]\nurl = 'broker:1884'\n")).broker.url() == "mqtt://broker:1884"
+    # more outputs than the test labels use is fine (a class the test split happens not to hold)
+    load_fleet(fleet(tmp_path, f"[strategy]\nsizes = [64, 12]\n[data]\ntest = '{_npz(tmp_path / 't5.npz', 64, 5)}'\n"))

@@ -96,7 +96,7 @@ def test_reassembler_keeps_its_bounds(data):
             pass
         r.expire(now)
         assert r.reserved <= 6000 and all(v <= 1 for v in r._per_sender.values())
-        assert r.reserved == sum(s["t"] for s in r._open.values())
+        assert r.reserved == sum(s["size"] for s in r._open.values())
 
 
 def _coordinator_bus(tmp_path_factory):

@@ -111,3 +111,17 @@ def test_mixed_fleet_commits_every_round_with_native_reports(native, tmp_path):
     assert acc_py > 0.3 and acc_mixed > 0.3, (acc_mixed, acc_py)
     assert acc_mixed > rows[0]["accuracy"], rows
     assert abs(acc_mixed - acc_py) <= 0.25, (acc_mixed, acc_py)
+
+
+@pytest.mark.parametrize("url, says", [("mqtt//host:1883", "a broker address has no path"),
+                                       ("mqtt://:1883", "no host in broker address"),
+                                       ("mqtt://host:1883/fleet", "a broker address has no path"),
+                                       ("mqtt://host:", "bad port"), ("mqtt://host:0", "bad port")])
+def test_native_device_refuses_the_broker_urls_the_python_one_refuses(native_build, tmp_path, url, says):
+    """As edge/runtime/mqtt.py: BrokerAddress.parse (issue #30): one line and status 2, not a broker retried for ever."""
+    from edge.runtime.mqtt import BrokerAddress
+    with pytest.raises(ValueError, match=says):
+        BrokerAddress.parse(url)
+    r = subprocess.run([str(native_build / "fedge-native"), "--broker", url, "--id", "d1", "--data",
+                        str(tmp_path / "none.npz")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -138,3 +138,70 @@ def test_a_snapshot_stored_in_the_table_by_an_older_version_is_still_read(tmp_pa
     st.apply_batch([_report("d1"), _sums(b"new" * 50)])  # the first slot file; the row now points at it
     st.close()
     assert _restored(tmp_path / "s.sqlite") == (b"new" * 50, ["d0", "d1"])
+
+
+# ---- a state file that cannot be resumed (issue #30): one line and exit 2, never a traceback or a fresh start
+def _committed_state(path, rounds: int = 3) -> None:
+    """A state file as a coordinator leaves it after ``rounds`` committed rounds."""
+    import numpy as np
+
+    from coordinator.strategies.base import ServerState
+    st = Store(path)
+    st.run_id()
+    st.save_initial_state(ServerState(0, {"w": np.zeros(3, np.float32)}))
+    for r in range(1, rounds + 1):
+        task = f"run-r{r}a1"
+        st.apply("open", {"round": r, "attempt": 1, "task_id": task, "selected": ["d0"], "deadline": 100.0,
+                          "opened_at": 0.0})
+        st.apply("commit", {"task_id": task, "state": ServerState(r, {"w": np.full(3, r, np.float32)}),
+                            "summary": {"round": r}})
+    st.close()
+
+
+def _coordinator(path, capsys) -> tuple[int, str]:
+    from coordinator.cli import main
+    rc = main(["coordinator", "--state", str(path), "--broker", "mqtt://127.0.0.1:1"])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["garbage", "text", "header only", "truncated", "zeroed"])
+def test_a_damaged_state_file_is_one_line_and_exit_2(tmp_path, capsys, damage):
+    import os
+    path = tmp_path / "s.sqlite"
+    _committed_state(path)
+    data = path.read_bytes()
+    path.write_bytes({"garbage": os.urandom(len(data)), "text": b"round = 3\n" * 100, "header only": data[:100],
+                      "truncated": data[:len(data) // 2],
+                      "zeroed": data[:len(data) // 2] + bytes(len(data) - len(data) // 2)}[damage])
+    rc, err = _coordinator(path, capsys)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"fedge coordinator: {path}") and "restore it from a backup" in err, err
+    with pytest.raises(Exception, match="not a whole fedge state file|is damaged"):
+        Store(path)
+
+
+@pytest.mark.parametrize("delete, says", [
+    ("DELETE FROM state", "round 3 is committed but no model is saved"),
+    ("DELETE FROM state WHERE round = 3", "round 3 is committed but the last model saved is of round 2"),
+    ("DELETE FROM rounds", "the model of round 3 is saved but no committed round is"),
+])
+def test_a_state_with_missing_rows_is_refused_not_reset(tmp_path, capsys, delete, says):
+    path = tmp_path / "s.sqlite"
+    _committed_state(path)
+    db = sqlite3.connect(path)
+    db.execute(delete)
+    db.commit()
+    db.close()
+    rc, err = _coordinator(path, capsys)
+    assert rc == 2 and err.count("\n") == 1 and says in err, err
+    assert "resuming" not in capsys.readouterr().out
+
+
+def test_a_whole_state_still_opens(tmp_path):
+    path = tmp_path / "s.sqlite"
+    _committed_state(path)
+    st = Store(path)
+    assert st.latest_state().round == 3 and [s["round"] for s in st.summaries()] == [1, 2, 3]
+    st.close()
+    (tmp_path / "empty.sqlite").write_bytes(b"")  # SQLite's new database: a new run
+    Store(tmp_path / "empty.sqlite").close()

@@ -1062,17 +1062,24 @@ class Reassembler:
     Pure: the caller passes the current time, so tests need no clock. Memory is bounded three ways, so
     that what a sender can make the receiver hold is proportional to what it may send: ``limit`` per
     transfer (the caller passes what this sender's plan allows; default ``max_bytes``),
-    ``max_open_per_sender`` transfers per sender, and ``max_total_bytes`` announced over all open
-    transfers. Space is reserved by the announced size on the first chunk, before any data is kept.
+    ``max_open_per_sender`` transfers per sender, and ``max_total_bytes`` held over all open transfers.
+    Capacity follows the bytes that arrived, not the size a first chunk announces: a transfer that announces
+    a large message and then trickles holds only what it sent, so a few slow senders cannot keep honest
+    uploads out. ``replace``: a sender at its limit that starts another transfer drops its oldest (a device
+    sends one report at a time; a resend keeps its id) instead of being refused. ``min_rate`` (bytes/s, 0: off):
+    a transfer older than ``rate_grace_s`` whose bytes fall below that average rate is *slow*
+    (:meth:`slow` drops it and names it, so the caller can count it against its sender).
     """
 
     def __init__(self, *, timeout_s: float = 60.0, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_open: int = 1024,
-                 max_open_per_sender: int = 2, max_total_bytes: int = 1 << 30):
+                 max_open_per_sender: int = 2, max_total_bytes: int = 1 << 30, replace: bool = False,
+                 min_rate: float = 0.0, rate_grace_s: float = 10.0):
         self.timeout_s, self.max_bytes, self.max_open = timeout_s, max_bytes, max_open
         self.max_open_per_sender, self.max_total_bytes = max_open_per_sender, max_total_bytes
+        self.replace, self.min_rate, self.rate_grace_s = replace, min_rate, rate_grace_s
         self._open: dict[tuple[str, str], dict] = {}
         self._per_sender: dict[str, int] = {}
-        self.reserved = 0  # announced bytes of all open transfers
+        self.reserved = 0  # bytes held by all open transfers
         self.last_wire_bytes = 0
         self._done: dict[tuple[str, str], float] = {}  # recently completed (sender, msg id) -> when
 
@@ -1083,17 +1090,19 @@ class Reassembler:
         if chunk.total <= 0 or chunk.count > max(1, -(-chunk.total // MIN_CHUNK_BYTES)):
             raise WireError(f"chunked message of {chunk.total} bytes in {chunk.count} chunks")
         if self._per_sender.get(sender, 0) >= self.max_open_per_sender:
-            raise Busy(f"too many incomplete chunked transfers from {sender}")
-        if len(self._open) >= self.max_open or self.reserved + chunk.total > self.max_total_bytes:
+            if not self.replace:
+                raise Busy(f"too many incomplete chunked transfers from {sender}")
+            self._end(min((k for k in self._open if k[0] == sender), key=lambda k: self._open[k]["start"]))
+        if len(self._open) >= self.max_open:
             raise Busy("too many incomplete chunked transfers")
         self._per_sender[sender] = self._per_sender.get(sender, 0) + 1
-        self.reserved += chunk.total
-        st = self._open[key] = {"n": chunk.count, "t": chunk.total, "parts": {}, "size": 0, "last": now, "wire": 0}
+        st = self._open[key] = {"n": chunk.count, "t": chunk.total, "parts": {}, "size": 0, "last": now, "wire": 0,
+                                "start": now}
         return st
 
     def _end(self, key: tuple[str, str]) -> dict:
         st = self._open.pop(key)
-        self.reserved -= st["t"]
+        self.reserved -= st["size"]
         left = self._per_sender[key[0]] - 1
         if left:
             self._per_sender[key[0]] = left
@@ -1120,12 +1129,16 @@ class Reassembler:
             if not chunk.data or (len(chunk.data) < MIN_CHUNK_BYTES and chunk.index != chunk.count - 1):
                 self._end(key)
                 raise WireError(f"chunk {chunk.index} of {chunk.msg_id} is too small")
-            st["parts"][chunk.index] = chunk.data
-            st["size"] += len(chunk.data)
-            st["wire"] += nbytes
-            if st["size"] > st["t"]:
+            if st["size"] + len(chunk.data) > st["t"]:
                 self._end(key)
                 raise WireError(f"chunks of {chunk.msg_id} exceed the announced size")
+            if self.reserved + len(chunk.data) > self.max_total_bytes:
+                self._end(key)
+                raise Busy("incomplete chunked transfers hold all the reassembly capacity")
+            st["parts"][chunk.index] = chunk.data
+            st["size"] += len(chunk.data)
+            self.reserved += len(chunk.data)
+            st["wire"] += nbytes
         st["last"] = now
         if len(st["parts"]) < st["n"]:
             return None
@@ -1145,6 +1158,18 @@ class Reassembler:
         for k in dead:
             self._end(k)
         return dead
+
+    def slow(self, now: float) -> list[tuple[str, str]]:
+        """Drop transfers that trickle (below ``min_rate`` on average, once older than ``rate_grace_s``); returns
+        their (sender, msg id). Capacity follows bytes, so a trickle holds little, but it holds its sender's slot
+        and the receiver's attention for as long as it lasts: the caller counts it against the sender."""
+        if self.min_rate <= 0:
+            return []
+        slow = [k for k, st in self._open.items()
+                if now - st["start"] > self.rate_grace_s and st["size"] < self.min_rate * (now - st["start"])]
+        for k in slow:
+            self._end(k)
+        return slow
 
     def drop_sender(self, sender: str) -> None:
         """Forget every open transfer of ``sender`` (its round closed, or it went offline)."""

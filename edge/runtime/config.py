@@ -30,6 +30,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:  # a binary file, or another encoding than TOML's UTF-8
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 def unknown(key: str, allowed: list[str], where: str, noun: str = "key") -> ConfigError:

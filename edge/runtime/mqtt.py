@@ -51,6 +51,13 @@ class BrokerAddress:
             port = u.port
         except ValueError:
             raise ValueError(f"bad port in broker address {url!r}") from None
+        # a missing ':' (mqtt//host) or host (mqtt://:1883) must not become another broker, retried for ever
+        if u.path.strip("/") or u.params or u.query or u.fragment:
+            raise ValueError(f"a broker address has no path: {url!r} (use mqtt://host:port)")
+        if not u.hostname:
+            raise ValueError(f"no host in broker address {url!r} (use mqtt://host:port)")
+        if port == 0 or (port is None and u.netloc.endswith(":")):
+            raise ValueError(f"bad port in broker address {url!r}")
         tls = u.scheme in ("mqtts", "ssl")
         if not tls and (ca_file or cert_file or key_file):
             raise ValueError(f"a CA or client certificate needs an mqtts:// broker address, not {url!r}")
@@ -59,7 +66,7 @@ class BrokerAddress:
         for f in (ca_file, cert_file, key_file):
             if f and not os.path.isfile(f):
                 raise ValueError(f"{f}: no such file")
-        return cls(u.hostname or "127.0.0.1", port or (8883 if tls else 1883), u.username, u.password, tls,
+        return cls(u.hostname, port or (8883 if tls else 1883), u.username, u.password, tls,
                    ca_file, cert_file, key_file)
 
     def url(self) -> str:
@@ -79,11 +86,22 @@ class MqttLink:
     def __init__(self, broker: BrokerAddress, client_id: str, handler: LinkHandler, *, subscriptions: list[str],
                  will: tuple[str, bytes] | None = None, clean_session: bool = True, keepalive: int = 30,
                  tick_s: float = 0.2, backoff: Backoff | None = None, max_inflight: int = 100, max_batch: int = 256,
-                 mqtt5: bool = False):
+                 mqtt5: bool = False, new_id_on_takeover: bool = False):
         """``mqtt5``: speak MQTT 5 (needed for shared subscriptions, ``$share/<group>/<filter>``); the session
-        then starts clean when ``clean_session`` and otherwise outlives a disconnect by a day."""
+        then starts clean when ``clean_session`` and otherwise outlives a disconnect by a day.
+
+        A link that keeps losing its connection soon after making it (``TAKEOVER_AFTER`` times within
+        ``TAKEOVER_WINDOW_S``) is most likely being taken off the broker by another client connecting with its
+        client id (MQTT lets any client that logs in do that; a broker configured by ``fedge credentials``
+        does not): it says so in a warning, and with ``new_id_on_takeover`` it moves to a new client id (the
+        given one with a random suffix, a new session), which a client that knows only the old one cannot take."""
         self.broker, self.handler, self.subscriptions, self.tick_s = broker, handler, subscriptions, tick_s
-        self.client_id = client_id
+        self.client_id = self.base_client_id = client_id
+        self.new_id_on_takeover = new_id_on_takeover
+        self._connected_at: float | None = None
+        self._short: deque = deque()  # times of connections lost soon after they were made (takeover_check)
+        self._takeover_warned = -1e18
+        self.takeovers = 0  # times this link concluded another client took its client id
         self.backoff = backoff or Backoff(0.2, 30.0)
         self.keepalive = keepalive
         self.mqtt5, self._clean = mqtt5, clean_session
@@ -124,6 +142,7 @@ class MqttLink:
                         reason_code)
             return
         self.backoff.reset()
+        self._connected_at = time.monotonic()
         if self._warned_at > 0:
             log.warning("%s: connected to %s", self.client_id, self.broker.url())
             self._warned_at = -1e18
@@ -137,7 +156,40 @@ class MqttLink:
         self._sock_open = False
         if not self._stop.is_set():
             log.info("%s: disconnected (%s)", self.client_id, reason_code)
+            self._takeover_check(getattr(reason_code, "value", reason_code) == 142)  # MQTT 5 "Session taken over"
         self.handler.on_disconnected(self, time.time())
+
+    TAKEOVER_SHORT_S = 10.0  # a connection lost this soon after it was made counts towards a takeover
+    TAKEOVER_AFTER, TAKEOVER_WINDOW_S = 3, 60.0
+
+    def _takeover_check(self, certain: bool = False) -> None:
+        now, since = time.monotonic(), self._connected_at
+        self._connected_at = None
+        if since is None or (now - since > self.TAKEOVER_SHORT_S and not certain):
+            return
+        q = self._short
+        q.append(now)
+        while q and q[0] < now - self.TAKEOVER_WINDOW_S:
+            q.popleft()
+        if len(q) < self.TAKEOVER_AFTER and not certain:
+            return
+        self.takeovers += 1
+        n = len(q)
+        q.clear()
+        old = self.client_id
+        if self.new_id_on_takeover:
+            import secrets
+            self.client_id = f"{self.base_client_id}-{secrets.token_hex(4)}"
+            self.client._client_id = self.client_id.encode()  # paho has no setter; read at the next CONNECT
+        if now - self._takeover_warned >= 60.0 or self.new_id_on_takeover:
+            self._takeover_warned = now
+            log.warning("%s: taken off the broker at %s %s: most likely another client is connecting with this "
+                        "client id (any client that logs in may take a client id, unless the broker binds ids to "
+                        "users: `fedge credentials` writes use_username_as_clientid; docs/security.md)%s", old,
+                        self.broker.url(), "(session taken over)" if certain else
+                        f"{n} times within {self.TAKEOVER_WINDOW_S:.0f} s, each within "
+                        f"{self.TAKEOVER_SHORT_S:.0f} s of connecting",
+                        f"; reconnecting as {self.client_id} (a new session)" if self.client_id != old else "")
 
     def _on_message(self, client, userdata, msg):
         self.messages_received += 1
@@ -230,6 +282,8 @@ class MqttLink:
             if rc != mqtt.MQTT_ERR_SUCCESS and not self._stop.is_set():
                 self._sock_open = False
                 self.connected.clear()
+                if self._connected_at is not None:  # lost without paho's on_disconnect
+                    self._takeover_check()
                 delay = self.backoff.next()
                 log.info("%s: connection lost (rc=%s); reconnect in %.2fs", self.client_id, rc, delay)
                 self._stop.wait(delay)
