@@ -4,7 +4,7 @@ Six hostile devices of a fleet of sixteen, whenever selected, do not report: eac
 on its report topic announcing the largest report its plan allows, and sends a 256-byte chunk of each every
 half second until the plan's deadline, then gives the plan up (checks in, so it is selected again). Scaled down
 as the issue measured it: 2 MiB messages (8 MiB of reassembly capacity), 64 KiB chunks, honest reports of about
-0.36 MB (an MLP 64-256-256-10) in six chunks each.
+1.2 MB (an MLP 64-512-512-10) in 19 chunks each, so that twelve trickling transfers announce more than the capacity.
 
 The attacked fleet (ten honest devices and the six tricklers) runs for ``seconds`` against a clean fleet of the
 same sixteen devices all honest, same seed and time; ``holds`` when the attacked run commits at least 80% of the
@@ -56,7 +56,7 @@ class TricklingDevice(Device):
 
 
 def _fleet(work: Path, broker_url: str, seed: int, seconds: float, hostile: bool) -> dict:
-    cfg = SimConfig(devices=DEVICES, clients_per_round=5, hidden=(256, 256), seed=seed, partition="iid",
+    cfg = SimConfig(devices=DEVICES, clients_per_round=5, hidden=(512, 512), seed=seed, partition="iid",
                     chunk_bytes=CHUNK, workdir=str(work), fleet=f"trickle{'h' if hostile else 'c'}{seed}")
     specs, data = prepare(cfg)
     save_npz(work / "test.npz", data.x_test, data.y_test)
@@ -66,7 +66,7 @@ def _fleet(work: Path, broker_url: str, seed: int, seconds: float, hostile: bool
         "rounds": {"rounds": 10_000, "clients_per_round": 5, "over_selection": 1.4, "seed": seed, "fleet": cfg.fleet,
                    "round_timeout_s": 8.0, "selection_timeout_s": 1.0, "chunk_bytes": CHUNK,
                    "max_message_bytes": MAX_MESSAGE},
-        "strategy": {"name": "fedavg", "sizes": [64, 256, 256, 10], "epochs": 1, "lr": 0.1},
+        "strategy": {"name": "fedavg", "sizes": [64, 512, 512, 10], "epochs": 1, "lr": 0.1},
         "data": {"test": str(work / "test.npz")}})
     log = work / "coordinator.log"
     proc = start_coordinator(conf, log)
