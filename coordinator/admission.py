@@ -62,7 +62,7 @@ class AdmissionRules:
     # a commit refused (accuracy guard, a non-finite state) looks for the reports that caused it by leaving them
     # out (rounds.RoundMachine._without_culprits) and commits without them; for that the round keeps each
     # accepted report's contribution, up to this many MB (beyond: a refused commit is abandoned, as before)
-    guard_memory_mb: float = field(default=256.0, metadata={"min": 0.0})
+    guard_memory_mb: float = field(default=32.0, metadata={"min": 0.0})
 
     def __post_init__(self) -> None:
         if isinstance(self.norm_bound, str) and self.norm_bound != "auto":
