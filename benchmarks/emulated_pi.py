@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import platform
+import collections
 import re
 import shutil
 import subprocess
@@ -74,23 +75,41 @@ def pi_env(cpu: str) -> dict[str, str]:
     return {**os.environ, "FEDGE_PI_CPU": cpu, "FEDGE_HOST_PYTHON": os.environ.get("FEDGE_HOST_PYTHON", sys.executable)}
 
 
-def setup(cpu: str, command: str = "setup") -> dict[str, float]:
+class SetupFailed(RuntimeError):
+    """scripts/emulated_pi.sh ended with an error: the message names the command, its exit status and its
+    error line, and ``tail`` holds the last lines it wrote (stdout and stderr, in order)."""
+
+    def __init__(self, msg: str, tail: list[str]):
+        super().__init__(msg)
+        self.tail = tail
+
+
+TAIL_LINES = 12
+
+
+def setup(cpu: str, command: str = "setup", script: Path = SCRIPT, env: dict[str, str] | None = None
+          ) -> dict[str, float]:
     """Provision (or reuse) the emulated Pi (``build-native``: its native device); returns {step: seconds} from
-    the script's "done in" lines."""
+    the script's "done in" lines. Raises :class:`SetupFailed` with the script's error line and last lines."""
     steps: dict[str, float] = {}
-    p = subprocess.Popen([str(SCRIPT), command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=pi_env(cpu))
+    p = subprocess.Popen(["bash", str(script), command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=env or pi_env(cpu))
     assert p.stdout is not None
     why = ""
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     for line in p.stdout:
         print(line, end="", flush=True)
+        tail.append(line.rstrip("\n"))
         m = re.match(r"\[emulated-pi\] (\w+) done in ([0-9.]+) s", line)
         if m:
             steps[m.group(1)] = float(m.group(2))
         if line.startswith("[emulated-pi] error: "):
             why = ": " + line[len("[emulated-pi] error: "):].strip()
     if p.wait() != 0:
-        raise RuntimeError(f"scripts/emulated_pi.sh {command} exited {p.returncode}{why}")
+        if not why:  # no error line of its own (killed by a signal, or an older script)
+            why = " with no error line"
+        name = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+        raise SetupFailed(f"{name} {command} exited {p.returncode}{why}", list(tail))
     return steps
 
 
@@ -375,15 +394,25 @@ def main(argv: list[str] | None = None) -> int:
         say(f"load average {res['loadavg_start'][0]:.1f} before starting: other work on this machine will "
             "inflate the times")
     say(f"setup ({SCRIPT.relative_to(ROOT)} setup)")
-    res["setup_s"] = setup(a.cpu)
+    try:
+        res["setup_s"] = setup(a.cpu)
+    except SetupFailed as e:  # nothing else can run: why, and the script's last lines (stdout and stderr)
+        say(f"setup failed: {e}; its last lines:")
+        print("\n".join(f"    {ln}" for ln in e.tail or ["(no output)"]))
+        res |= {"error": str(e), "setup_tail": e.tail, "wall_s": round(time.time() - t0, 1)}
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        print("FAILED")
+        return 1
     emulated = [r for r in a.emulated.split(",") if r]
     if "native" in emulated:
         say(f"the native device ({SCRIPT.relative_to(ROOT)} build-native)")
         try:
             res["setup_s"].update(setup(a.cpu, "build-native"))
-        except RuntimeError as e:  # clients/native does not build: the rest still runs, the result is FAILED
-            say(f"no native device: {e}")
-            res["native"] = {"error": str(e), "torch_in_env": None}
+        except SetupFailed as e:  # clients/native does not build: the rest still runs, the result is FAILED
+            say(f"no native device: {e}; its last lines:")
+            print("\n".join(f"    {ln}" for ln in e.tail or ["(no output)"]))
+            res["native"] = {"error": str(e), "setup_tail": e.tail, "torch_in_env": None}
             emulated.remove("native")
     res["cold"] = any(k in res["setup_s"] for k in ("download", "install", "debootstrap", "et_aarch64", "arm64_debs"))
     qemu = subprocess.run(["qemu-aarch64-static", "--version"], capture_output=True, text=True).stdout.split("\n")[0]

@@ -1,11 +1,13 @@
 """FLoPS-PA beyond the paper's linear models: the zoo MLP (64-200-200-10) and CNN (LeNet-family, 8x8 digits) on
 sklearn's digits, 20 devices with Dirichlet(0.5) label skew, 10 per round, in process through the wire codec;
-FedIter-HT and FedAvg + final magnitude prune at the same density and budget beside it. The learning rate of
+FedIter-HT (H_k per tensor, biases whole: docs/flops.md, "The baselines") and FedAvg + final magnitude prune at
+the same density and budget beside it. The learning rate of
 every method is picked on a validation split (half of the held-out digits) from the same candidates; the
 figures are the other half's (test). The pruned FLoPS-PA model is exported for inference (export/final.py:
 ONNX and an ExecuTorch .pte, both checked against torch) and its density is read back from the ONNX file.
 
     PYTHONPATH=. python -m benchmarks.flops_zoo                      # writes runs/bench/flops_zoo.json
+    PYTHONPATH=. python -m benchmarks.flops_zoo --methods fediter-ht --out runs/bench/flops_zoo_fediter_ht.json
     PYTHONPATH=. python -m benchmarks.flops_zoo --state runs/simulate/coordinator.sqlite -S rho=0.1
                                                                      # export the final model of an MQTT run
 """

@@ -9,7 +9,7 @@ It first runs every named test on the unmutated copy: a suite that fails without
 
     python benchmarks/mutants.py                 # all mutants, 2 workers -> runs/bench/mutants.json
     python benchmarks/mutants.py --only fedmix.damping-constant objective.ce-row-weights
-    python benchmarks/mutants.py --list
+    python benchmarks/mutants.py --list          # check every entry against the source, then list them
 
 A mutant that cannot change any result (an equivalent mutant) is listed in EQUIVALENT with the reason, and
 not run.
@@ -37,6 +37,9 @@ CLI = "tests/test_maths_clients.py"
 FEDMIX_WIRE = "tests/test_fedmix.py::test_cluster_variant_sends_pi_only_as_its_reported_q_and_never_the_gate"
 
 TORCH_OBJ = "edge/trainers/torch_objectives/"
+# FedSparse's server computes line 8 from the groups' norms (threshold_grad_norms); threshold_grad, FedMix x
+# FedSparse's, ends in the same return line, so the FedSparse mutants name the line before it too.
+LINE8_NORMS = "theta = gates.sigmoid((norms - gates.softplus(v)) / T)\n    "
 
 
 @dataclass
@@ -131,8 +134,8 @@ MUTANTS: list[Mutant] = [
     M("gates.group-norm-bias", "edge/gates.py",
       "sum(axis=tuple(range(1, w.ndim))) + b.astype(np.float64) ** 2)", "sum(axis=tuple(range(1, w.ndim))))",
       [CLI, SRV], "a group is a unit's weight row and its bias"),
-    M("gates.v-for-theta", "edge/gates.py", "tau = group_norms(w, b) - T * math.log(theta / (1 - theta))",
-      "tau = group_norms(w, b) + T * math.log(theta / (1 - theta))",
+    M("gates.v-for-theta", "edge/gates.py", "tau = scaled_norms(w, b, relative) - T * math.log(theta / (1 - theta))",
+      "tau = scaled_norms(w, b, relative) + T * math.log(theta / (1 - theta))",
       ["tests/test_fedsparse.py::test_gate_probability_and_initial_thresholds"], "initial thresholds give theta0"),
     M("gates.bernoulli", "edge/gates.py", "return rng.random(pi.shape) < pi", "return rng.random(pi.shape) > pi",
       [CLI], "z ~ Bern(pi)"),
@@ -141,10 +144,12 @@ MUTANTS: list[Mutant] = [
     M("gates.sigmoid", "edge/gates.py", "return 0.5 * (1 + np.tanh(0.5 * a))", "return 0.5 * (1 + np.tanh(a))",
       [CLI, SRV], "the numpy sigmoid"),
     # ------------------------------------------------------------------ FedSparse objective and client
-    M("fedsparse.penalty-sign", TORCH_OBJ + "fedsparse.py", "loss = loss + pen", "loss = loss - pen", [OBJ],
-      "the gate penalties' sign"),
-    M("fedsparse.lambda0-ce-swapped", TORCH_OBJ + "fedsparse.py", "ths[i], lambda0, ce_scale, T)",
-      "ths[i], ce_scale, lambda0, T)", [OBJ], "lambda0 and ce_scale swapped"),
+    M("fedsparse.penalty-sign", TORCH_OBJ + "fedsparse.py", "for pen in penalties:\n            loss = loss + pen",
+      "for pen in penalties:\n            loss = loss - pen", [OBJ], "the gate penalties' sign"),
+    M("fedsparse.lambda0-ce-swapped", TORCH_OBJ + "fedsparse.py",
+      "us[i], ths[i], lambda0 * self.l0_weight[i], ce_scale, T)",
+      "us[i], ths[i], ce_scale, lambda0 * self.l0_weight[i], T)",
+      [OBJ], "lambda0 and ce_scale swapped"),
     M("fedsparse.inputs-swapped", TORCH_OBJ + "fedsparse.py", "rest[nh:2 * nh], rest[2 * nh:3 * nh]",
       "rest[2 * nh:3 * nh], rest[nh:2 * nh]", [OBJ], "theta's logit and the norms swapped"),
     M("fedsparse.client-w-lr", "edge/algorithms/fedsparse.py", "if k not in self.v_names}, self.hp.lr)",
@@ -168,8 +173,8 @@ MUTANTS: list[Mutant] = [
       "h = h", [OBJ], "the gate's features through the expert's gates"),
     M("mixture.cluster-q-is-qs", TORCH_OBJ + "mixture.py", "q = named[\"pi\"].unsqueeze(0)",
       "q = qs.unsqueeze(0)", [OBJ], "q_pi(z|s) is the pi input"),
-    M("mixture.row-weights", TORCH_OBJ + "mixture.py", "loss = -((q * (ll_t + lg)).sum(1) * w).sum()",
-      "loss = -((q * (ll_t + lg)).sum(1)).mean()", [OBJ], "the row weights w_i"),
+    M("mixture.row-weights", TORCH_OBJ + "mixture.py", "return -((q * (ll_t + lg)).sum(1) * w).sum(), ll_t, lg",
+      "return -((q * (ll_t + lg)).sum(1)).mean(), ll_t, lg", [OBJ], "the row weights w_i"),
     M("mixture.gate-softmax-axis", TORCH_OBJ + "mixture.py", "lg = torch.log_softmax(z + mask, dim=1)",
       "lg = torch.log_softmax(z + mask, dim=0)", [OBJ], "the gate is a softmax over experts"),
     M("mixture.gate-bias", TORCH_OBJ + "mixture.py", "for j in range(self.k)) + p[\"gate.b\"]",
@@ -180,17 +185,17 @@ MUTANTS: list[Mutant] = [
       "the squared norm is a sum"),
     M("prox.sign", TORCH_OBJ + "prox.py", "weighted_ce(logits, y, w) + 0.5", "weighted_ce(logits, y, w) - 0.5", [OBJ],
       "the proximal term's sign"),
-    M("prox.client-global", "edge/algorithms/fedprox.py", "{f\"g.{k}\": np.asarray(v, np.float32) for k, v in w.items()}",
+    M("prox.client-global", "edge/algorithms/fedprox.py", "{f\"g.{k}\": np.array(v, np.float32) for k, v in w.items()}",
       "{f\"g.{k}\": self.params[k] for k, v in w.items()}", [CLI], "the proximal centre is the plan's w^t"),
     # ------------------------------------------------------------------ FedAvg / FedAdam / FedProx server
     M("fedavg.sample-weights", "coordinator/strategies/fedavg.py", "acc._sums[k], n * received_weights(plan, report, k))",
       "acc._sums[k], received_weights(plan, report, k))", [SRV], "N_s weights the mean"),
     M("fedavg.buffer-weights", "coordinator/strategies/fedavg.py", "acc.add_update(k, w, d, n)",
       "acc.add_update(k, w, d, 1.0)", [SRV], "N_s weights the mean (the float32 buffer's path)"),
-    M("fedavg.fold-base", "coordinator/strategies/fedavg.py", "s += np.multiply(base, tn, dtype=np.float64)",
-      "s += np.multiply(base, tn + 1.0, dtype=np.float64)", [SRV], "the buffer holds updates: W comes back "
-      "n-weighted"),
-    M("fedavg.total-n", "coordinator/strategies/fedavg.py", "acc.total_n += n", "acc.total_n += 1.0", [SRV],
+    M("fedavg.fold-base", "coordinator/strategies/fedavg.py", "_daxpy(wide[1].reshape(-1), s.reshape(-1), a=tn)",
+      "_daxpy(wide[1].reshape(-1), s.reshape(-1), a=tn + 1.0)", [SRV], "the buffer holds updates: W comes back "
+      "n-weighted (the fold's BLAS daxpy, the path taken with scipy, a coordinator dependency)"),
+    M("fedavg.total-n", "coordinator/strategies/fedavg.py", "acc.total_n += n\n", "acc.total_n += 1.0\n", [SRV],
       "the mean divides by sum N_s"),
     M("fedavg.server-lr", "coordinator/strategies/fedavg.py", "new[k] + self.server_lr * diff[k]",
       "new[k] + diff[k]", [SRV], "the server lr"),
@@ -208,30 +213,34 @@ MUTANTS: list[Mutant] = [
     M("fedsparse.line7-mask", "coordinator/strategies/fedsparse.py", "                diff[~t.mask] = 0.0\n",
       "                pass\n", [SRV], "z_s masks the difference"),
     M("fedsparse.line7-ascent", "coordinator/strategies/fedsparse.py",
-      "wopt, vopt = Adam(lr=self.server_lr, maximize=True)", "wopt, vopt = Adam(lr=self.server_lr, maximize=False)",
+      "wopt = Adam(lr=self.server_lr, maximize=True)", "wopt = Adam(lr=self.server_lr, maximize=False)",
       [SRV], "Adam ascent on sum z (w_s - w)"),
-    M("fedsparse.line8-sign", "coordinator/strategies/fedsparse.py", "return -(z - theta) * gates.sigmoid(v) / T",
-      "return (z - theta) * gates.sigmoid(v) / T", [SRV], "line 8's sign"),
+    M("fedsparse.line8-sign", "coordinator/strategies/fedsparse.py",
+      LINE8_NORMS + "return -(z - theta) * gates.sigmoid(v) / T",
+      LINE8_NORMS + "return (z - theta) * gates.sigmoid(v) / T", [SRV], "line 8's sign"),
     M("fedsparse.line8-temperature", "coordinator/strategies/fedsparse.py",
-      "return -(z - theta) * gates.sigmoid(v) / T", "return -(z - theta) * gates.sigmoid(v)", [SRV],
-      "line 8's 1/T"),
-    M("fedsparse.line8-theta", "coordinator/strategies/fedsparse.py", "return -(z - theta) * gates.sigmoid(v) / T",
-      "return -(z - 0.5) * gates.sigmoid(v) / T", [SRV], "line 8's theta"),
+      LINE8_NORMS + "return -(z - theta) * gates.sigmoid(v) / T",
+      LINE8_NORMS + "return -(z - theta) * gates.sigmoid(v)",
+      [SRV], "line 8's 1/T"),
+    M("fedsparse.line8-theta", "coordinator/strategies/fedsparse.py",
+      LINE8_NORMS + "return -(z - theta) * gates.sigmoid(v) / T",
+      LINE8_NORMS + "return -(z - 0.5) * gates.sigmoid(v) / T", [SRV], "line 8's theta"),
     M("fedsparse.server-v-lr", "coordinator/strategies/fedsparse.py", "server_v_lr: float = 1e-2",
       "server_v_lr: float = 1e-3", [SRV], "the server Adamax lr 1e-2 (App. A)"),
-    M("fedsparse.line8-ascent", "coordinator/strategies/fedsparse.py", "Adamax(lr=self.server_v_lr, maximize=True)",
-      "Adamax(lr=self.server_v_lr, maximize=False)", [SRV], "Adamax ascent on line 8"),
-    M("fedsparse.prune-rule", "coordinator/strategies/fedsparse.py", "newly = alive[i] & (theta < prune_below)",
-      "newly = alive[i] & (theta > prune_below)", [SRV], "prune theta < epsilon"),
+    M("fedsparse.line8-ascent", "coordinator/strategies/fedsparse.py",
+      "Adamax(lr=self.server_v_lr * self._v_scale(rnd), maximize=True)",
+      "Adamax(lr=self.server_v_lr * self._v_scale(rnd), maximize=False)", [SRV], "Adamax ascent on line 8"),
+    M("fedsparse.prune-rule", "coordinator/strategies/fedsparse.py", "newly = alive[key] & (theta < prune_below)",
+      "newly = alive[key] & (theta > prune_below)", [SRV], "prune theta < epsilon"),
     M("fedsparse.prune-epsilon", "coordinator/strategies/fedsparse.py", "prune_below: float = 0.1",
       "prune_below: float = 0.15", [SRV], "epsilon = 0.1"),
-    M("fedsparse.best-unit", "coordinator/strategies/fedsparse.py", "[np.argmax(theta[alive[i]])]",
-      "[np.argmin(theta[alive[i]])]", [SRV], "a layer keeps its most probable unit"),
+    M("fedsparse.best-unit", "coordinator/strategies/fedsparse.py", "[np.argmax(theta[alive[key]])]",
+      "[np.argmin(theta[alive[key]])]", [SRV], "a layer keeps its most probable unit"),
     M("fedsparse.cascade-guard", "coordinator/strategies/fedsparse.py",
-      "tau = gates.softplus(v[nxt].astype(np.float64)) - (before - after)",
-      "tau = gates.softplus(v[nxt].astype(np.float64)) + (before - after)", [SRV], "the cascade guard"),
+      "tau = gates.softplus(v[n].astype(np.float64)) - (before[n] - norms(n))",
+      "tau = gates.softplus(v[n].astype(np.float64)) + (before[n] - norms(n))", [SRV], "the cascade guard"),
     M("fedsparse.zero-dead-first", "coordinator/strategies/fedsparse.py",
-      "    G.zero_dead(w, alive)\n    for i in gated:", "    for i in gated:", [SRV],
+      "    kill(alive)\n    for key in gated:", "    for key in gated:", [SRV],
       "dead rows zeroed before the prune (moments must not revive them)"),
     # ------------------------------------------------------------------ FedMix server (Eq. 8, line 8, Alg. 2)
     M("fedmix.eq8-q", "coordinator/strategies/fedmix.py", "wgt = q[k] * n  # Eq. 8 numerator, p(s)",
@@ -304,19 +313,44 @@ IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".pytest
                                 "*.egg-info", ".ci")
 
 
-def check(mutants: list[Mutant]) -> None:
-    """Every mutant's old text occurs exactly once, and its new text differs."""
+def problems(mutants: list[Mutant], equivalent: list[dict[str, str]] | None = None) -> list[str]:
+    """Why entries no longer fit today's source, one line each (empty: every entry is current). A mutant's old
+    text must occur exactly once in its file and differ from its new text, and every test it names must exist
+    (file, and function if named: pytest exits 4 on an unknown node id, which the harness would count as a kill).
+    The EQUIVALENT entries' old text must still occur in their files."""
+    out: list[str] = []
     for m in mutants:
-        text = (ROOT / m.file).read_text()
-        n = text.count(m.old)
-        if n != 1 or m.old == m.new:
-            raise SystemExit(f"{m.id}: old text occurs {n} times in {m.file} (must be exactly once)")
+        path = ROOT / m.file
+        if not path.is_file():
+            out.append(f"{m.id}: no file {m.file}")
+            continue
+        n = path.read_text().count(m.old)
+        if n != 1:
+            out.append(f"{m.id}: old text found {n} times in {m.file} (must be exactly once)")
+        if m.old == m.new:
+            out.append(f"{m.id}: new text is the old text")
         for t in m.tests:
-            if not (ROOT / t.split("::")[0]).exists():
-                raise SystemExit(f"{m.id}: no test file {t}")
+            f, _, name = t.partition("::")
+            if not (ROOT / f).is_file():
+                out.append(f"{m.id}: no test file {f}")
+            elif name and not re.search(rf"^\s*(async\s+)?def {re.escape(name.split('[')[0])}\(",
+                                        (ROOT / f).read_text(), re.M):
+                out.append(f"{m.id}: no test {name} in {f}")
     ids = [m.id for m in mutants]
-    if len(set(ids)) != len(ids):
-        raise SystemExit("duplicate mutant ids")
+    out += [f"{i}: duplicate mutant id" for i in sorted({i for i in ids if ids.count(i) > 1})]
+    for e in equivalent or []:
+        path = ROOT / e["file"]
+        if not path.is_file() or e["old"] not in path.read_text():
+            out.append(f"equivalent {e['old']!r}: not found in {e['file']}")
+    return out
+
+
+def check(mutants: list[Mutant]) -> None:
+    """Stop, naming every entry that no longer fits the source (see :func:`problems`)."""
+    found = problems(mutants, EQUIVALENT)
+    if found:
+        raise SystemExit(f"{len(found)} mutant entries no longer match the source (fix them in "
+                         f"benchmarks/mutants.py):\n  " + "\n  ".join(found))
 
 
 def pytest(copy: Path, tests: list[str], timeout: float) -> tuple[int, str, float]:
@@ -364,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     mutants = [m for m in MUTANTS if not a.only or m.id in a.only]
     if a.only and len(mutants) != len(set(a.only)):
-        raise SystemExit(f"unknown ids: {sorted(set(a.only) - {m.id for m in MUTANTS})}")
+        print(f"mutants.py: unknown mutant ids {sorted(set(a.only) - {m.id for m in MUTANTS})} (see --list)",
+              file=sys.stderr)
+        return 2
     if a.tests:
         mutants = [Mutant(m.id, m.file, m.old, m.new, list(a.tests), m.what) for m in mutants]
     check(mutants)

@@ -63,6 +63,10 @@ class AdmissionRules:
     # out (rounds.RoundMachine._without_culprits) and commits without them; for that the round keeps each
     # accepted report's contribution, up to this many MB (beyond: a refused commit is abandoned, as before)
     guard_memory_mb: float = field(default=32.0, metadata={"min": 0.0})
+    # a commit the guard passed is screened for reports moving more than screen_factor x the round's own median
+    # norm per local step; they are left out (with a strike) only if test accuracy is clearly higher without them
+    # (rounds.RoundMachine._screened). It needs test data and the kept reports (guard_memory_mb). None: off.
+    screen_factor: float | None = field(default=2.0, metadata={"min": 1.0})
 
     def __post_init__(self) -> None:
         if isinstance(self.norm_bound, str) and self.norm_bound != "auto":

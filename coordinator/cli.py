@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import threading
+import time
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def round_line(s: dict, target: int, total_bytes: int) -> str:
     return (f"round {s['round']}/{target}: accuracy {acc}, {s['reports']} reports, {s['dropped']} dropped, "
             f"{s['bytes_down'] / 1e6:.3f} MB down + {s['bytes_up'] / 1e6:.3f} MB up "
             f"({total_bytes / 1e6:.2f} MB in all), {s['wall_s']:.2f} s"
+            + (f" (+{s['export_s']:.2f} s waiting for program exports)" if s.get("export_s") else "")
             + (f", {attempts} attempts" if attempts > 1 else ""))
 
 
@@ -213,11 +215,16 @@ def cmd_ingest(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _say(f"ingest worker {w.name} for fleet {fc.rounds.fleet}: broker {fc.broker.url()}, inbox "
          f"{inbox_path(fc.state_path)}")
+    last = time.monotonic()
     try:
-        while not stop.wait(30):
-            log.info("ingest %s: %d received, %d spooled, %d refused", w.name, w.received, w.spooled, w.refused)
+        while not stop.wait(0.5) and not w.done.is_set():
+            if time.monotonic() - last >= 30:
+                last = time.monotonic()
+                log.info("ingest %s: %d received, %d spooled, %d refused", w.name, w.received, w.spooled, w.refused)
     except KeyboardInterrupt:
         pass
+    if w.failed:  # already said in one line; exit 1 so that systemd starts a fresh worker
+        return 1
     w.stop()
     return 0
 
@@ -393,10 +400,10 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     rep.pop("_state", None)
     dens = any("density" in r for r in rep["rounds"])
     print(f"{'round':>5} {'accuracy':>8} {'MB down':>8} {'MB up':>8} {'reports':>7} {'dropped':>7} {'s':>6}"
-          + (f" {'density':>7}" if dens else ""))
+          f" {'export s':>8}" + (f" {'density':>7}" if dens else ""))
     for r in rep["rounds"]:
         print(f"{r['round']:>5} {r['accuracy']:>8.4f} {r['bytes_down'] / 1e6:>8.3f} {r['bytes_up'] / 1e6:>8.3f} "
-              f"{r['reports']:>7} {r['dropped']:>7} {r['wall_s']:>6.2f}"
+              f"{r['reports']:>7} {r['dropped']:>7} {r['wall_s']:>6.2f} {r.get('export_s') or 0.0:>8.2f}"
               + (f" {r.get('density', 1.0):>7.3f}" if dens else ""))
     print(f"final accuracy {rep['final_accuracy']:.4f}, total {rep['total_bytes'] / 1e6:.1f} MB, "
           f"{rep['wall_s']:.1f} s" + (f"; report in {a.out}" if a.out else "") + (f", plot in {a.plot}" if a.plot else ""))

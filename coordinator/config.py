@@ -62,7 +62,7 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    name: str | None = None  # as --model (coordinator/modelref.py); none: the zoo MLP of [strategy] sizes
+    name: str | None = None  # as --model (export/modelref.py); none: the zoo MLP of [strategy] sizes
     input: list[int] | None = None  # one example's shape; default: the [data] test examples'
 
 
@@ -237,7 +237,7 @@ def _mlp_fits(sizes: list[int], test: str) -> None:
 def _model(m: ModelSection, test: str | None) -> dict[str, Any]:
     """[model] name for the examples of [model] input or of the [data] test file (whose labels it must cover)."""
     from .datasets import check_xy, read_npz
-    from .modelref import resolve
+    from export.modelref import resolve
     shape, classes = m.input, None
     if test is not None:
         d = read_npz(test, f"[data] test = {test!r}")

@@ -61,6 +61,7 @@ class ProgramCatalog:
         self._pool = None
         self.background = background
         self.on_ready = on_ready  # called (on the builder's thread) when a background build ends
+        self.export_s = 0.0  # seconds the caller's thread spent exporting (or waiting for an export) since taken
 
     @staticmethod
     def _key(spec: dict, runtime: str, objective: str, layout: dict | None) -> tuple[str, str, str, str]:
@@ -72,14 +73,23 @@ class ProgramCatalog:
         p = self._cache.get(key)
         if p is None:
             fut = self._building.pop(key, None)
+            t0 = time.perf_counter()
             if fut is not None:
                 p = fut.result()  # re-raises a failed export: the daemon stops and says why
             elif runtime == "torch":
                 p = torch_program(spec, objective, layout)
             else:
                 p = _build(spec, runtime, objective, layout, self.cache_dir)
+            if runtime != "torch":  # (the torch program is its spec as JSON: no export)
+                self.export_s += time.perf_counter() - t0
             self._cache[key] = p
         return p
+
+    def take_export_s(self) -> float:
+        """The seconds counted in :attr:`export_s` since the last call (the daemon moves them out of the round
+        that paid them into its ``export_s``)."""
+        s, self.export_s = self.export_s, 0.0
+        return s
 
     def ready(self, spec: dict, runtime: str, objective: str = "ce", layout: dict | None = None) -> bool:
         """Whether asking for this program now returns at once (a failed build counts: asking re-raises)."""
@@ -105,9 +115,11 @@ class ProgramCatalog:
             fut.add_done_callback(lambda _f: self.on_ready())
         self._building[key] = fut
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop the background exports: those not started are dropped; with ``wait``, the one under way is
+        finished (and stored) first."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
 
 
@@ -213,6 +225,9 @@ class Coordinator:
         self.machine = RoundMachine(rc, strategy, state, self.programs, registry=registry, now=now,
                                     vet=self._vet if self.evaluator is not None else None)
         self.machine.restore(self.store.closed_tasks())
+        take = getattr(self.programs, "take_export_s", None)
+        if take is not None:
+            take()  # exports before the run (a preflight's) are no round's
         if self.evaluator is not None:
             # now, before the network loop runs: the first evaluation imports torch (seconds), which would
             # otherwise stall the loop with a round's last ack waiting behind it
@@ -297,11 +312,23 @@ class Coordinator:
                 else:
                     self._publish(a)
             elif isinstance(a, RoundCommitted):
+                self._export_apart(a.summary)
                 self._flush()  # the commit is on disk before anyone hears of it
                 self._committed(a.summary, a.state)
             elif isinstance(a, Finished):
                 self._flush()
                 self.done.set()
+
+    def _export_apart(self, summary: dict) -> None:
+        """Exports the catalog ran on this thread during the round (``background=False``: tests, simulations)
+        delayed it inside its handlers: their seconds move from its ``wall_s`` to its ``export_s`` (the round
+        machine counts the seconds a round waited for a background export there already). Before the commit
+        record is written: the summary is the record's."""
+        take = getattr(self.programs, "take_export_s", None)
+        x = take() if take is not None else 0.0
+        if x > 0.0:
+            summary["export_s"] = summary.get("export_s", 0.0) + x
+            summary["wall_s"] = max(0.0, summary.get("wall_s", 0.0) - x)
 
     def _take_inbox(self, now: float) -> None:
         """Feed the machine what the ingest workers spooled, in order; rows are deleted once written (_flush)."""
@@ -379,6 +406,24 @@ class Coordinator:
         self.observer.committed(summary)
         if self.on_round:
             self.on_round(summary)
+
+    def prefetch(self, runtimes: tuple[str, ...]) -> int:
+        """Ask the catalog now, in the background, for the programs the next round's plans need on devices of
+        ``runtimes`` (the bucket family, for a strategy whose plans have buckets: coordinator/buckets.py), so
+        that the exports run while the fleet starts and checks in, not after. Returns how many were asked for.
+        The plan comes from a copy of the strategy (a plan may memoise per device)."""
+        import copy
+        request = getattr(self.programs, "request", None)
+        if request is None or not getattr(self.programs, "background", False):
+            return 0
+        dp = copy.deepcopy(self.strategy).plan(self.machine.state, "prefetch", {})
+        first = (dp.padded.spec, dp.padded.layout) if dp.padded is not None else (dp.spec, dp.layout)
+        family = [f for f in (dp.padded.family if dp.padded is not None else ()) if f != first]
+        wanted = [(first, rt) for rt in runtimes if rt != "torch"]  # what the first round needs, first
+        wanted += [(f, rt) for f in family for rt in runtimes if rt != "torch"]
+        for (spec, layout), rt in wanted:
+            request(spec, rt, dp.objective, layout)
+        return len(wanted)
 
     # ---- lifecycle
     def start(self) -> "Coordinator":

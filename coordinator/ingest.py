@@ -150,7 +150,8 @@ class IngestWorker:
         self.link = MqttLink(broker, f"fedge-ingest-{fleet}-{self.name}", self,
                              subscriptions=[shared_subscription(fleet, group)], clean_session=True,
                              keepalive=30, tick_s=0.5, mqtt5=True, max_batch=512)
-        self.done = threading.Event()
+        self.done = threading.Event()  # set when it stopped by itself: ``failed`` says why
+        self.failed: str | None = None
 
     def on_connected(self, link, now):
         log.info("ingest worker %s connected to %s", self.name, link.broker.url())
@@ -191,8 +192,16 @@ class IngestWorker:
 
     def on_pass_end(self, link, now) -> None:
         rows, self._rows = self._rows, []
-        if rows:
-            self.inbox.append(rows)
+        if rows and self.failed is None:
+            try:
+                self.inbox.append(rows)
+            except (sqlite3.Error, OSError) as e:  # a full disk, say: die as a crashed worker does, and say so
+                self.failed = f"{type(e).__name__}: {e}"
+                log.error("ingest %s: cannot write the inbox (%s); stopping. The %d messages it held were not acked: "
+                          "their devices resend them, to a live worker", self.name, self.failed, len(rows))
+                self.done.set()
+                threading.Thread(target=self.kill, name=f"ingest-{self.name}-stop", daemon=True).start()
+                return
             self.spooled += sum(1 for r in rows if r[1] is not None)
 
     def start(self) -> "IngestWorker":

@@ -425,7 +425,8 @@ def run_status(rows: list[dict[str, Any]], *, last_rounds: int = 20, max_points:
             "rounds": rows[-last_rounds:] if last_rounds else [], "curve": curve}
 
 
-ROW_KEYS = ("round", "accuracy", "loss", "bytes_down", "bytes_up", "reports", "dropped", "wall_s", "attempts")
+ROW_KEYS = ("round", "accuracy", "loss", "bytes_down", "bytes_up", "reports", "dropped", "wall_s", "export_s",
+            "attempts")
 
 
 def _row(summary: dict[str, Any]) -> dict[str, Any]:

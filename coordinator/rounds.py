@@ -50,6 +50,41 @@ MAX_SUSPECTS = 16  # a refused commit leaves out at most this many candidates, o
 # once the rest passes, a further report is left out only if that raises test accuracy by this much (a colluder
 # the guard alone would let through: measured, 1 of 3 sign-flippers at the bound otherwise stayed in)
 CULPRIT_MARGIN = 0.1
+# a commit the guard passed leaves out reports that move far more than the round's others only if the state
+# without them scores this much higher test accuracy (RoundMachine._screened); half of it decides who comes back
+SCREEN_MARGIN = 0.05
+SCREEN_LOSS = 0.5  # ... or about as accurate, with the test loss falling at least twice as far without them
+SCREEN_BACK = 0.0  # once they are out, a suspect comes back only if the loss falls no less (this share) with it
+
+
+def clearly_better(a: dict[str, float], b: dict[str, float], before: float | None, share: float = SCREEN_LOSS
+                   ) -> bool:
+    """Whether the state evaluated as ``a`` clearly beats ``b`` (RoundMachine._screened), both one round's step
+    from a state whose test loss was ``before``: SCREEN_MARGIN more test accuracy; or a step whose test loss falls
+    where ``b``'s rises; or, about as accurate (within that margin), a step whose test loss falls and ``b``'s
+    falls at most (1 - share) as far. The loss is read as progress made, not as a level: early rounds sit at chance
+    accuracy, where accuracy is noise (measured: a poisoned round-1 state at 0.18 against 0.09 without the
+    poisoner, whose test loss rose from 2.31 to 2.49 where without it it fell to 2.20), and a poisoned step differs
+    only in going less far, or back."""
+    acc_a, acc_b = a.get("accuracy"), b.get("accuracy")
+    if acc_a is None or acc_b is None:
+        return False
+    if acc_a >= acc_b + SCREEN_MARGIN:
+        return True
+    loss_a, loss_b = a.get("loss"), b.get("loss")
+    if loss_a is None or loss_b is None or not math.isfinite(loss_a):
+        return False
+    if not math.isfinite(loss_b):
+        return True
+    if before is None or not math.isfinite(before):
+        return False
+    gain_a, gain_b = before - loss_a, before - loss_b
+    if gain_a <= 0:
+        return False
+    if gain_b < 0:
+        return True
+    return acc_a >= acc_b - SCREEN_MARGIN and gain_b <= (1 - share) * gain_a
+
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -72,22 +107,23 @@ _ANY = (ROUND_OPEN, NO_ROUND, FINISHED)
 TRANSITIONS: Table = {
     (NO_ROUND, "checkin"): Move("_on_checkin", (NO_ROUND,), "register the device"),
     (ROUND_OPEN, "checkin"): Move("_on_checkin", _ANY, "register the device; a selected one that ended its "
-                                  "plan unreported drops out (the round may close)"),
+                                  "plan unreported drops out (the round may close, and the next open)"),
     (FINISHED, "checkin"): Move("_on_checkin", (FINISHED,), "register the device"),
 
     (NO_ROUND, "report"): Move("_on_stray_report", (NO_ROUND,), "ack `late` if its round closed, else reject"),
     (ROUND_OPEN, "report"): Move("_on_report", _ANY, "admit and ack `accepted`, or reject (the round may "
-                                 "close)"),
+                                 "close, and the next open)"),
     (FINISHED, "report"): Move("_on_stray_report", (FINISHED,), "ack `late` if its round closed, else reject"),
 
     (NO_ROUND, "status"): Move("_on_status", (NO_ROUND,), "an `offline` one: mark the device offline"),
     (ROUND_OPEN, "status"): Move("_on_status", _ANY, "an `offline` one: mark the device offline; a selected "
-                                 "one drops out (the round may close)"),
+                                 "one drops out (the round may close, and the next open)"),
     (FINISHED, "status"): Move("_on_status", (FINISHED,), "an `offline` one: mark the device offline"),
 
     (NO_ROUND, "tick"): Move("_maybe_open", (NO_ROUND, ROUND_OPEN), "open a round once enough devices are "
                              "eligible"),
-    (ROUND_OPEN, "tick"): Move("_maybe_close", _ANY, "close the round if it is due"),
+    (ROUND_OPEN, "tick"): Move("_maybe_close", _ANY, "close the round if it is due, then open the next at "
+                               "once if enough devices are eligible"),
     (FINISHED, "tick"): Move("_nothing", (FINISHED,)),
 
     (NO_ROUND, "open_round"): Move("_open_round", (ROUND_OPEN, NO_ROUND), "select devices, send the first "
@@ -281,6 +317,8 @@ class RoundMachine:
         # still be read (to ack it 'late'), within what its old plan allowed
         self._recent_limits: list[dict[str, int]] = []
         self._awaiting: list[tuple] = []  # (spec, runtime, objective, layout) of programs a round waits for
+        self._exporting_since: float | None = None  # when the next round began waiting for its programs
+        self._export_s = 0.0  # seconds the round in progress (its attempts so far) waited for program exports
         self._window: Reservoir | None = None  # production selection: the sample of eligible devices so far
         self._round_s = cfg.round_timeout_s / 2  # estimated open-to-close time of a round (pace steering)
         self._pace_rng = np.random.default_rng(window_seed(cfg.seed, -1, 0))
@@ -780,19 +818,38 @@ class RoundMachine:
         ready = getattr(self.programs, "ready", None)
         if ready is None:  # a plain callable builds on demand
             return False
+        ahead: dict[str, tuple] = {}
         if plans is not None:
             want = {}
             for d, dp in plans.items():
-                args = (dp.spec, self.registry.devices[d].capabilities.get("runtime", "torch"), dp.objective,
-                        dp.layout)
+                args = self._program_args(dp, d)
                 want[repr(args)] = args
+                if dp.padded is not None and args[3] is dp.padded.layout:  # a bucket: its family, built ahead
+                    for spec, layout in dp.padded.family:
+                        a = (spec, args[1], dp.objective, layout)
+                        if repr(a) not in want:
+                            ahead[repr(a)] = a
             self._awaiting = list(want.values())
         missing = [a for a in self._awaiting if not ready(*a)]
         for a in missing:
             self.programs.request(*a)
+        for a in ahead.values():  # after what this round needs (the catalog builds in order); no round waits
+            if not ready(*a):
+                self.programs.request(*a)
         if not missing:
             self._awaiting = []
         return bool(missing)
+
+    def _program_args(self, dp: DevicePlan, device_id: str) -> tuple:
+        """(spec, runtime, objective, layout) of the program ``device_id`` runs for ``dp``: its bucket's
+        (coordinator/buckets.py) if the plan has one, the device's runtime exports programs and it declares the
+        padded_programs extension (docs/protocol.md 14.2); else the plan's own shape."""
+        caps = self.registry.devices[device_id].capabilities if device_id in self.registry.devices else {}
+        runtime = caps.get("runtime", "torch")
+        p = dp.padded
+        if p is not None and runtime != "torch" and caps.get("padded_programs") is True:
+            return (p.spec, runtime, dp.objective, p.layout)
+        return (dp.spec, runtime, dp.objective, dp.layout)
 
     def _open_round(self, eligible: list[str], now: float, offered: int | None = None) -> list[Action]:
         if self._awaiting and self._programs_missing(None):
@@ -804,7 +861,12 @@ class RoundMachine:
         plans = self._plans(chosen)
         if self._programs_missing(plans):
             log.info("round %d waits for %d program export(s)", rnd, len(self._awaiting))
+            if self._exporting_since is None:
+                self._exporting_since = now
             return []
+        if self._exporting_since is not None:  # export seconds are kept apart from the round's (its summary's export_s)
+            self._export_s += now - self._exporting_since
+            self._exporting_since = None
         o = OpenRound(rnd, self.attempt, task, chosen, now + self.cfg.round_timeout_s, now, plans,
                       self.strategy.begin(self.state))
         o.n_cap = weight_cap(self.cfg.admission, [self._samples(d) for d in chosen])
@@ -861,7 +923,7 @@ class RoundMachine:
         dp = o.plans[device_id]
         rec = self.registry.devices[device_id]
         runtime = rec.capabilities.get("runtime", "torch")
-        prog = self.programs(dp.spec, runtime, dp.objective, dp.layout)
+        prog = self.programs(*self._program_args(dp, device_id))
         plan = Plan(o.task_id, o.round, device_id, o.deadline, self.strategy.name, runtime, prog.hash,
                     dp.weights if dp.wire is None else dp.wire, dp.hparams,
                     device_seed(self.cfg.seed, o.round, device_id), dp.upload,
@@ -872,6 +934,19 @@ class RoundMachine:
         return msgs
 
     def _maybe_close(self, now: float) -> list[Action]:
+        """Close the open round if it is due, and once it has closed, open the next one in the same event if
+        enough devices are eligible: waiting for the next tick cost a round up to ``tick_s`` (50 ms) of idling."""
+        out = self._close_if_due(now)
+        if self.open is None and out:
+            for a in out:
+                if isinstance(a, RoundCommitted):  # the summary its commit record holds too (the same dict)
+                    a.summary["export_s"] = self._export_s
+                    self._export_s = 0.0
+            if not self.finished:
+                out += self._maybe_open(now)
+        return out
+
+    def _close_if_due(self, now: float) -> list[Action]:
         o = self.open
         if o is None:
             return []
@@ -893,8 +968,9 @@ class RoundMachine:
         self._window = None
         self._round_s = 0.7 * self._round_s + 0.3 * (now - o.opened_at)  # for pace steering
         self.closed_tasks = (self.closed_tasks + [o.task_id])[-256:]
-        for d in o.selected:
-            self._reasm.drop_sender(d)
+        # A chunked report still arriving is left to finish (within its plan's limit, _recent_limit) and is
+        # acked `late`: dropped here, its last chunks started a transfer that never completed, so the device
+        # heard nothing and resent only after ack_timeout_s (5 s), and a round that selected it waited for it.
         for d in o.unsent:  # selected, but the round closed before its plan went out: free again
             rec = self.registry.devices.get(d)
             if rec is not None and rec.online:
@@ -995,33 +1071,135 @@ class RoundMachine:
                 passed = (best[2], best[3], list(out))
         return passed
 
+    def _screened(self, o: OpenRound, used: list[str], metrics: dict[str, float]
+                  ) -> tuple[ServerState, dict[str, float], list[str], str] | None:
+        """A commit the guard passed, screened for reports that move far more than this round's others: those
+        moving more than ``screen_factor`` times the round's median norm per local step (the round's own median,
+        so it works in round 1, before the guard has an accuracy to keep). They are left out together, and stay
+        out only if the state without them is :func:`clearly_better` (more accurate, or its test loss falls at
+        least twice as far); then each is offered back alone, smallest mover first, and comes back only if the
+        loss falls no less with it. At most a minority goes. An honest fleet's outlier costs an evaluation and
+        stays; a poisoner has to stay under ``screen_factor`` (docs/security.md measures what that buys it).
+        Off for gradients (SFVI), whose sum is exact or nothing. Returns the state, its metrics, the culprits and
+        why, or None."""
+        f = self.cfg.admission.screen_factor
+        acc0 = metrics.get("accuracy")
+        if (f is None or acc0 is None or o.kept is None or len(used) < 3 or not set(used) <= set(o.kept)
+                or any(o.plans[d].update == "gradient" for d in used)):  # SFVI's sum is exact or nothing
+            return None
+        per = {d: self._per_step(o, d) for d in used}
+        med = float(np.median(list(per.values())))
+        suspects = sorted((d for d in used if per[d] > f * med), key=lambda d: -per[d])[:(len(used) - 1) // 2]
+        if not suspects:
+            return None
+
+        def without(out: list[str]) -> tuple[ServerState | None, dict[str, float]]:
+            new, m, why = self._candidate(o, self._rebuild([d for d in used if d not in out]))
+            return (None, m) if why or m.get("accuracy") is None else (new, m)
+
+        before = self.history.get("loss")
+        if before is None and self.vet is not None:  # round 1: the loss of the model it starts from
+            before = self._loss_of(self.state)
+        out = list(suspects)
+        new, m = without(out)
+        if new is None or not clearly_better(m, metrics, before):
+            return None
+        for d in reversed(suspects):
+            back, mb = without([x for x in out if x != d])
+            if back is not None and not clearly_better(m, mb, before, SCREEN_BACK):
+                out.remove(d)
+                new, m = back, mb
+        why = (f"moving more than {f:g}x the round's median norm per step; test accuracy {acc0:.4f} and loss "
+               f"{metrics.get('loss', math.nan):.4g} with them, {m['accuracy']:.4f} and {m.get('loss', math.nan):.4g} "
+               f"without")
+        return new, m, out, why
+
+    def _per_step(self, o: OpenRound, d: str) -> float:
+        """A report's update norm per local step, at the steps of the samples it weighs (a capped count: the cap's)."""
+        return o.norms.get(d, 0.0) / local_steps(o.plans[d], min(self._samples(d), o.n_cap or math.inf))
+
+    def _first_bound(self, o: OpenRound, used: list[str], now: float) -> tuple[list[str], list[Action]]:
+        """The norm bound of a round with no committed round behind it, applied at its commit. Admission's bound
+        is then ``norm_factor`` times the whole model's norm (there is no median update yet), which let one report
+        of ten throw the model away in round 1, before the guard has an accuracy to keep. At the commit the
+        round's own reports give the median: each kept report is admitted again against ``norm_factor`` times
+        the round's median norm per step, as every later round's are against the last rounds' (clipped above it,
+        refused with a strike beyond ``refuse_factor`` times it), and the sums are rebuilt. Returns the refused
+        devices and their strikes."""
+        rules = self.cfg.admission
+        if (rules.norm_bound != "auto" or self.history.get("median_norm_per_step") or self.history.get("median_norm")
+                or o.kept is None or len(used) < 3 or not set(used) <= set(o.kept)
+                or any(o.plans[d].update == "gradient" for d in used)):
+            return [], []
+        hist = {"median_norm_per_step": float(np.median([self._per_step(o, d) for d in used]))}
+        refused, strikes, changed = [], [], False
+        for d in used:
+            item = o.kept[d]
+            bound = rules.bound(hist, o.plans[d], min(self._samples(d), o.n_cap or math.inf))
+            if not bound or o.norms[d] <= bound:
+                continue
+            changed = True
+            try:
+                if len(item) == 3:  # a plain report's differences: admitted as they came, so its norm is o.norms
+                    if not rules.clip and o.norms[d] > rules.refuse_factor * bound:
+                        raise ReportRejected(f"update norm {o.norms[d]:.4g} is above the bound {bound:.4g} by more "
+                                             f"than {rules.refuse_factor:g}x")
+                    c = np.float32(bound / o.norms[d])
+                    o.kept[d] = (item[0], item[1], {k: v * c for k, v in item[2].items()})
+                else:
+                    o.kept[d] = (item[0], admit(item[0], item[1], rules, hist)[0])
+            except ReportRejected as e:
+                refused.append(d)
+                strikes += self._reject(d, "report", f"{o.task_id}: left out of the commit: {e} (the round's own "
+                                        f"median, round {o.round} having no committed round behind it)", now)
+        if changed:
+            log.info("round %d: reports above %g x the round's median norm per step clipped%s", o.round,
+                     rules.norm_factor, f", {', '.join(refused)} refused" if refused else "")
+            o.acc = self._rebuild([d for d in used if d not in refused])
+        return refused, strikes
+
+    def _loss_of(self, state: ServerState) -> float | None:
+        try:
+            loss = dict(self.vet(state)).get("loss")
+        except Exception:  # noqa: BLE001 - an evaluation that fails vets nothing
+            log.exception("evaluating the current state failed")
+            return None
+        return None if loss is None else float(loss)
+
     def _commit(self, now: float) -> list[Action]:
         o = self.open
+        used = list(o.summed if self.cfg.reproducible else sorted(o.accepted))
+        excluded, strikes = self._first_bound(o, used, now)
         new, metrics, why = self._candidate(o)
-        excluded: list[str] = []
-        strikes: list[Action] = []
         if why:
-            found = self._without_culprits(o, list(o.summed if self.cfg.reproducible else sorted(o.accepted)))
+            found = self._without_culprits(o, [d for d in used if d not in excluded])
             if found is None:
-                return self._abandon(now, f"commit refused: {why}")
-            new, metrics, excluded = found
+                return strikes + self._abandon(now, f"commit refused: {why}")
+            new, metrics, culprits = found
+            excluded += culprits
             log.warning("round %d: commit refused (%s); committing without %s, whose reports caused it", o.round,
-                        why, ", ".join(excluded))
-            for d in excluded:  # strikes: enough of them quarantine the device
-                strikes += self._reject(d, "report", f"{o.task_id}: left out of the commit, which without it was "
+                        why, ", ".join(culprits))
+            for d in culprits:  # strikes: enough of them quarantine the device
+                strikes += self._reject(d, "report", f"{o.task_id}: left out of the commit, which with it was "
                                         f"refused ({why})", now)
+        rest = [d for d in used if d not in excluded]
+        if (screened := self._screened(o, rest, metrics)) is not None:  # those the guard let through, too
+            new, metrics, out, why = screened
+            log.warning("round %d: committing without %s (%s)", o.round, ", ".join(out), why)
+            for d in out:
+                strikes += self._reject(d, "report", f"{o.task_id}: left out of the commit: {why}", now)
+            excluded += out
         self._close(now)
         # the norm bound's reference: this round's update norms per local step (admission.next_history), of the
         # reports it commits, each at the steps of the samples it weighs (a capped count: the cap's)
-        hist = next_history(self.history, [o.norms[d] / local_steps(o.plans[d], min(self._samples(d),
-                                                                                   o.n_cap or math.inf))
-                                           for d in sorted(o.norms) if d not in excluded])
-        if "accuracy" in metrics:
-            hist["accuracy"] = float(metrics["accuracy"])
+        hist = next_history(self.history, [self._per_step(o, d) for d in sorted(o.norms) if d not in excluded])
+        for k in ("accuracy", "loss"):
+            if k in metrics:
+                hist[k] = float(metrics[k])
         new.meta = dict(new.meta) | {ADMISSION_KEY: hist}
         self.state = new
         self.last_metrics = metrics
-        used = [d for d in (o.summed if self.cfg.reproducible else sorted(o.accepted)) if d not in excluded]
+        used = [d for d in used if d not in excluded]
         # reproducible mode counts the first complete delivery of each committed report (a resend, or the
         # timing of over-selected reports, must not change the figures); production counts every delivery
         up = sum(o.up[d] for d in o.summed) if self.cfg.reproducible else o.bytes_up

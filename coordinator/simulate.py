@@ -4,7 +4,7 @@ Devices run in ``processes`` child processes (each with its own MQTT clients and
 the coordinator runs in this process. Data are written as one ``.npz`` per device, as a real device would
 hold them; the held-out test split stays with the coordinator. The data are sklearn's digits, or a person's
 ``.npz`` (``data``: one file split by ``partition``, or a directory of ``<device id>.npz`` + ``test.npz``), and
-the model a zoo name or a person's own (``model``; coordinator/modelref.py).
+the model a zoo name or a person's own (``model``; export/modelref.py).
 
 A runtime named ``native`` in ``runtimes`` is a device with no Python: the C++ device of clients/native
 (``fedge-native``, built by ``scripts/build_native.sh``) as its own process, which checks in as ``executorch``.
@@ -80,20 +80,27 @@ class SimConfig:
     data: str | None = None  # a person's .npz (split by ``partition``) or directory (one file per device); None: digits
     partition: str | None = None  # iid | dirichlet:ALPHA | shards:K; None: dirichlet:<alpha>
     test_frac: float = 0.2  # held out of ``data`` when it has no x_test/y_test
-    model: str = "mlp"  # zoo name, spec .json or a factory reference (coordinator/modelref.py)
+    model: str = "mlp"  # zoo name, spec .json or a factory reference (export/modelref.py)
     spec: dict[str, Any] | None = None  # the resolved model (model_spec() fills it)
 
 
-def _device_worker(specs: list[dict], broker_url: str, stop: Any, ready: Any) -> None:  # noqa: D401
-    """Child process: run a group of devices until told to stop."""
+def _device_worker(specs: list[dict], broker_url: str, stop: Any, ready: Any,
+                   device_class: type | None = None) -> None:  # noqa: D401
+    """Child process: run a group of devices until told to stop (``device_class``: a subclass of Device that
+    each is made into, such as a benchmark's that times itself)."""
     logging.basicConfig(level=os.environ.get("FEDGE_LOG", "WARNING"),
                         format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
     from concurrent.futures import ThreadPoolExecutor
     from edge.runtime.device import device_from_files
     pool = ThreadPoolExecutor(max_workers=1)  # one trainer at a time per process: the machine has 2 cores
     devs = [device_from_files(s["id"], s["data"], s["state"], broker_url, capabilities=s["caps"], fleet=s["fleet"],
-                              chunk_bytes=s["chunk_bytes"], executor=pool, trainer_kw={"threads": 1}).start()
+                              chunk_bytes=s["chunk_bytes"], executor=pool, trainer_kw={"threads": 1})
             for s in specs]
+    for d in devs:
+        if device_class is not None:
+            d.__class__ = device_class
+    warm_runtimes(devs)
+    devs = [d.start() for d in devs]
     ready.set()
     stop.wait()
     for d in devs:
@@ -101,10 +108,24 @@ def _device_worker(specs: list[dict], broker_url: str, stop: Any, ready: Any) ->
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+def warm_runtimes(devs: list) -> None:
+    """Each runtime of these devices loaded once, before they check in (``Device.warm_up``): a round's first
+    plans would otherwise pay the process's torch import."""
+    seen = set()
+    for d in devs:
+        rt = d.agent.cfg.capabilities.get("runtime")
+        if rt not in seen:
+            seen.add(rt)
+            d.warm_up()
+
+
 class DeviceFleet:
     """Device agents spread over child processes."""
 
-    def __init__(self, specs: list[dict], broker_url: str, processes: int, native_binary: str = ""):
+    def __init__(self, specs: list[dict], broker_url: str, processes: int, native_binary: str = "", *,
+                 worker: Any = None, worker_args: tuple = ()):
+        """``worker``: the child processes' function (default :func:`_device_worker`), called as
+        ``worker(specs, broker_url, stop, ready, *worker_args)``; a benchmark's devices that time themselves."""
         ctx = mp.get_context("spawn")
         self.stop_event = ctx.Event()
         self.procs = []
@@ -119,8 +140,8 @@ class DeviceFleet:
             if not g:
                 continue
             ready = ctx.Event()
-            p = ctx.Process(target=_device_worker, args=(g, broker_url, self.stop_event, ready), name=f"devices-{i}",
-                            daemon=True)
+            p = ctx.Process(target=worker or _device_worker, args=(g, broker_url, self.stop_event, ready, *worker_args),
+                            name=f"devices-{i}", daemon=True)
             p.start()
             self.procs.append(p)
             readies.append(ready)
@@ -190,7 +211,7 @@ def model_spec(cfg: SimConfig, data: FederatedData) -> dict[str, Any]:
     if cfg.spec is not None:
         return cfg.spec
     from edge.model import mlp
-    from .modelref import resolve
+    from export.modelref import resolve
     if cfg.model == "mlp" and cfg.data is None:
         return mlp([64, *cfg.hidden, 10])
     return resolve(cfg.model, data.x_test.shape[1:], data.num_classes, hidden=cfg.hidden)
@@ -221,8 +242,11 @@ def preflight(cfg: SimConfig, programs: ProgramCatalog) -> None:
     """Export the first round's program for every runtime of the run now, before a broker, a device or a round
     exists: a model a runtime cannot take is one line (ConfigError) here, not a failed round."""
     from edge.runtime.config import ConfigError
-    strategy = make_strategy(cfg.strategy, spec=cfg.spec, lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size,
-                             **cfg.strategy_kw)
+    try:
+        strategy = make_strategy(cfg.strategy, spec=cfg.spec, lr=cfg.lr, epochs=cfg.epochs,
+                                 batch_size=cfg.batch_size, **cfg.strategy_kw)
+    except (TypeError, ValueError) as e:  # a strategy that cannot take this model or these settings
+        raise ConfigError(f"--strategy {cfg.strategy}: {e}") from None
     dp = strategy.plan(strategy.init(cfg.seed), "preflight", {})
     for rt in fleet_runtimes(cfg.runtimes):
         try:

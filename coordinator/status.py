@@ -204,11 +204,11 @@ def render(s: dict[str, Any], *, rounds: int = 10, width: int = 30) -> str:
     if rows:
         out.append("")
         out.append(f"{'round':>5} {'accuracy':>8} {'loss':>7} {'MB down':>8} {'MB up':>8} {'reports':>7} "
-                   f"{'dropped':>7} {'s':>7}")
+                   f"{'dropped':>7} {'s':>7} {'export s':>8}")
         for r in rows:
             out.append(f"{r['round']:>5} {_f(r.get('accuracy')):>8} {_f(r.get('loss'), '.3f'):>7} "
                        f"{_mb(r['bytes_down']):>8} {_mb(r['bytes_up']):>8} {r.get('reports') or 0:>7} "
-                       f"{r.get('dropped') or 0:>7} {_f(r.get('wall_s'), '.2f'):>7}"
+                       f"{r.get('dropped') or 0:>7} {_f(r.get('wall_s'), '.2f'):>7} {_f(r.get('export_s') or 0.0, '.2f'):>8}"
                        + (f"  ({r['attempts']} attempts)" if (r.get("attempts") or 1) > 1 else "")
                        + (f"  excluded: {', '.join(_clean(d, 24) for d in r['excluded'][:8])}"
                           if r.get("excluded") else ""))

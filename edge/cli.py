@@ -67,6 +67,7 @@ def cmd_device(a: argparse.Namespace) -> int:
     dev = device_from_files(dev_id, data, a.state_dir or d.state_dir or f"runs/device-{dev_id}", url,
                             fleet=fleet, capabilities=caps,
                             tls={"ca_file": a.ca_file or d.ca_file, "cert_file": d.cert_file, "key_file": d.key_file})
+    dev.warm_up()  # its runtime loaded before it checks in, not inside its first plan's round
     dev.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

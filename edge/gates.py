@@ -18,6 +18,7 @@ import numpy as np
 BETA, GAMMA, ZETA = 2.0 / 3.0, -0.1, 1.1
 LOG_RATIO = BETA * math.log(-GAMMA / ZETA)  # the shift between logit(pi) and log_alpha
 U_EPS = 1e-6
+L0_READINGS = ("group", "weight")  # how FedSparse charges L0: once per group, or per weight (App. G)
 
 
 def softplus(v: np.ndarray) -> np.ndarray:

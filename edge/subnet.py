@@ -112,6 +112,19 @@ def group_norms(group: GateGroup, weights: dict[str, np.ndarray]) -> np.ndarray:
     return np.sqrt(total)
 
 
+def group_sizes(group: GateGroup, shapes: dict[str, tuple[int, ...]]) -> int:
+    """Weights in one group of ``group``: the entries of its own rows in the tensors its norm reads (for the zoo:
+    a unit's weight row and its bias; a conv channel's filter and bias; every tied row of a residual group).
+    ``shapes``: the spec's parameter shapes (model.param_shapes). FedSparse's per-weight L0 charges each
+    group this many times lambda0 (docs/fedsparse.md)."""
+    total = 0
+    for name in group.norm:
+        span = next(s for t, a, s, _o in group.members if t == name and a == 0)
+        shape = shapes[name]
+        total += span * int(np.prod(shape[1:], dtype=np.int64))
+    return int(total)
+
+
 @dataclass(frozen=True)
 class Subnet:
     """A subnetwork: its dense spec, the kept groups, and per-tensor index maps into the global model."""

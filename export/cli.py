@@ -27,13 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def model_spec(a: argparse.Namespace) -> tuple[dict, str]:
     """The spec ``--model`` names and a file name for it; ConfigError (one line) for any mistake."""
-    from coordinator.modelref import is_factory_ref, resolve, check
+    from export.modelref import is_factory_ref, resolve, check
     from edge.runtime.config import ConfigError
     from .models import ZOO
 
     shape, classes = None, None
     if a.data:
-        from coordinator.datasets import check_xy, read_npz
+        from edge.runtime.data import check_xy, read_npz
         d = read_npz(a.data)
         if "x" not in d or "y" not in d:
             raise ConfigError(f"--data {a.data}: needs arrays x and y")

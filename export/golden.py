@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from edge.model import init_weights, input_size, num_classes
 from edge.runtime.program import torch_program
+from edge.trainers.base import feeds
 from edge.trainers.torch_backend import TorchTrainer
+from edge.trainers.torch_objectives import build
 from firmware_tests import BATCH, GOLDEN, PROGRAM_SUFFIX, PROGRAMS, RUNTIMES, Golden
 from firmware_tests import cases as case_builders
 
@@ -43,6 +46,42 @@ def _trainer(g: Golden) -> TorchTrainer:
     t = TorchTrainer(threads=1)  # the same numbers; multi-threaded torch stalls on a loaded machine
     t.load(torch_program(g.spec, g.objective, g.layout).data)
     return t
+
+
+# ------------------------------------------------------------------------------ tolerances from float32 error
+# Two float32 runs of the same step (another CPU's BLAS or libm, another runtime) differ by their rounding, not by
+# a fixed amount: at FedSparse's T = 1e-3 one ulp of softplus(v) moves a gradient by ~3e-5 of its tensor, while
+# most objectives round at ~1e-7. So a comparison's tolerance is the computation's own float32 error, measured
+# against the same step in float64, times SAFETY, never less than SAFETY float32 epsilons of the tensor's scale.
+SAFETY = 10.0
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def float64_reference(g: Golden, weights: dict[str, np.ndarray], inputs: dict[str, Any]
+                      ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The torch program of ``g`` evaluated in float64 at ``weights`` and ``inputs``: the loss, every gradient
+    and the auxiliary outputs (what :meth:`TorchTrainer.loss_and_grads` returns, without float32 rounding)."""
+    import torch
+    obj = build(g.objective, g.spec, g.layout).double()
+    params = obj.params()
+    with torch.no_grad():
+        for k, t in params.items():
+            t.copy_(torch.from_numpy(np.asarray(weights[k], np.float64)))
+    arrays, _ = feeds(obj.inputs(), inputs)
+    out = obj(*[torch.from_numpy(a.astype(np.float64) if a.dtype == np.float32 else a) for a in arrays])
+    out[0].backward()
+    grads = {k: t.grad.numpy().copy() if t.grad is not None else np.zeros(tuple(t.shape)) for k, t in params.items()}
+    aux = {n: a.detach().numpy().copy() for n, a in zip(obj.outputs()[1:], out[1:])}
+    return float(out[0].detach()), grads, aux
+
+
+def tolerance(x32: Any, x64: Any) -> float:
+    """Absolute tolerance for comparing two float32 computations of ``x`` (any shape): SAFETY times the float32
+    result's largest deviation from the float64 one, at least SAFETY float32 epsilons of max |x64|."""
+    a, b = np.asarray(x32, np.float64), np.asarray(x64, np.float64)
+    if not b.size:
+        return 0.0
+    return SAFETY * max(float(np.abs(a - b).max()), EPS32 * float(np.abs(b).max()))
 
 
 def plain_vectors(g: Golden, seed: int = 0) -> dict[str, np.ndarray]:

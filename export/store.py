@@ -43,6 +43,18 @@ def request_key(spec: ModelSpec, runtime: str, options: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def _padding(spec: ModelSpec, runtime: str, objective: str, layout: dict | None) -> dict | None:
+    """The objective's padding declaration (edge/trainers/padded.py), which its exported programs carry: part of
+    the request's key, so a program exported before it was declared is not taken for one that has it."""
+    if runtime == "torch":
+        return None
+    from edge.trainers.torch_objectives import build
+    try:
+        return build(objective, spec, layout).padding()
+    except Exception:  # an objective that cannot be built for this spec fails in the export, with its message
+        return None
+
+
 class ProgramStore:
     """Programs by content hash under ``root/programs``; requests map to hashes under ``root/keys``."""
 
@@ -55,7 +67,11 @@ class ProgramStore:
     def get(self, spec: ModelSpec, runtime: str, objective: str = "ce", layout: dict | None = None,
             **options: Any) -> tuple[Program, BuildInfo]:
         from .build import build_program
-        key = request_key(spec, runtime, {"objective": objective, "layout": layout or {}, **options})
+        opts = {"objective": objective, "layout": layout or {}, **options}
+        padding = _padding(spec, runtime, objective, layout)
+        if padding is not None:  # a program that serves smaller networks carries it (its key names it)
+            opts["padding"] = padding
+        key = request_key(spec, runtime, opts)
         kp = self.root / "keys" / f"{key}.json"
         if kp.exists():
             rec = json.loads(kp.read_text())

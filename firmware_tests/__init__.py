@@ -20,6 +20,11 @@ from edge.model import lenet, mlp
 GOLDEN = Path(__file__).resolve().parent / "golden"
 RUNTIMES = ("torch", "ort", "executorch")
 PROGRAM_SUFFIX = {"torch": "torch.json", "ort": "ort", "executorch": "pte"}
+# How far a runtime's loss, gradients, auxiliary outputs and one-step weights may be from the golden ones, relative
+# to each tensor's largest entry. Both are float32 results of the same step, so the limit is set by the step's
+# float32 error (against float64; tests/test_firmware.py measures it for every program and requires each
+# ``rel_tol`` to be at least 4x it, so the golden's error plus the runtime's fits twice over, and below 1e-3, so a
+# real bug of that size still fails): 1e-4 where the error is ~1e-6; more for FedSparse at T = 1e-3 (``gated``).
 REL_TOL = 1e-4
 BATCH = 20
 LR = 0.1
@@ -40,14 +45,17 @@ class Golden:
     layout: dict[str, Any] = field(default_factory=dict)
     cases: str | None = None
     lr: float = LR
+    rel_tol: float = REL_TOL
 
 
 SMALL = [64, 32, 16, 10]
 PROGRAMS: dict[str, Golden] = {
     "mlp": Golden("ce", mlp([64, 200, 200, 10])),
     "cnn": Golden("ce", lenet((1, 8, 8), 10)),
-    # FedSparse: T = 1e-3 with saturated and unsaturated groups, and T = 1
-    "gated": Golden("fedsparse", mlp(SMALL), cases="gated"),
+    # FedSparse: T = 1e-3 with saturated and unsaturated groups, and T = 1. At T = 1e-3 one float32 ulp of
+    # softplus(v) moves logit(pi) by ~3e-5: torch's float32 gradients are 2.4e-5 of their tensor from float64's,
+    # ExecuTorch's 6.6e-5 from torch's (docs/trainers.md, trap 10), so 3e-4 (12x the float32 error)
+    "gated": Golden("fedsparse", mlp(SMALL), cases="gated", rel_tol=3e-4),
     # FedMix, label variant: 3 expert slots; all active, and slot 1 inactive
     "mixture": Golden("mixture", mlp(SMALL), {"slots": [SMALL] * 3, "variant": "label", "gated": False},
                       cases="mixture"),

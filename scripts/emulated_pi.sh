@@ -6,6 +6,7 @@
 #   scripts/emulated_pi.sh run python3 -m firmware_tests --runtime executorch
 #   scripts/emulated_pi.sh run python3 -m coordinator.cli device --config device.toml
 #   scripts/emulated_pi.sh info                  # paths, CPU, disk used
+#   scripts/emulated_pi.sh binfmt                # register qemu-aarch64 with binfmt_misc (setup does it too)
 #   scripts/emulated_pi.sh check-native [F.pte]  # cross-compile a toolchain check (ExecuTorch runtime) and run it
 #   scripts/emulated_pi.sh build-native          # cross-compile clients/native for aarch64, install it in the Pi
 #   scripts/emulated_pi.sh native --id pi-1 --data pi-1.npz --broker mqtt://127.0.0.1:1883 --state-dir DIR
@@ -18,9 +19,12 @@
 #   FEDGE_PI_MIRROR    Debian mirror for debootstrap (default http://deb.debian.org/debian)
 #   FEDGE_HOST_PYTHON  host Python whose pip fetches the wheels (default: <checkout>/.venv/bin/python, else python3)
 #   FEDGE_NATIVE_SRC   the native device's sources (default: <checkout>/clients/native)
+#   FEDGE_BINFMT_DIR   where binfmt_misc is mounted (default /proc/sys/fs/binfmt_misc; another directory is
+#                      only written through its register file, never with update-binfmts or mount)
 #
-# Needs root (apt-get, mounting binfmt_misc). Why each step is the way it is: docs/raspberry-pi.md.
-set -euo pipefail
+# Needs root (apt-get, mounting binfmt_misc). Every step checks what it needs first, and any failure ends the
+# script with one "[emulated-pi] error: ..." line on stderr. Why each step is the way it is: docs/raspberry-pi.md.
+set -eEuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PI_DIR="${FEDGE_PI_DIR:-$ROOT/runs/emulated-pi}"
@@ -30,6 +34,8 @@ SITE="$PI_DIR/site"
 CPU="${FEDGE_PI_CPU:-cortex-a76}"
 NCPUS="${FEDGE_PI_CPUS:-2}"
 MIRROR="${FEDGE_PI_MIRROR:-http://deb.debian.org/debian}"
+BINFMT_DEFAULT=/proc/sys/fs/binfmt_misc
+BINFMT="${FEDGE_BINFMT_DIR:-$BINFMT_DEFAULT}"
 # the native device (clients/native, C++): cross-compiled on the host, installed in the rootfs under
 # NATIVE_PREFIX with only the ExecuTorch runtime libraries and libmosquitto beside it
 NATIVE="$PI_DIR/native"
@@ -64,6 +70,12 @@ PIP_TARGET_ARGS=(--only-binary=:all: --python-version 3.11 --implementation cp -
 
 say() { echo "[emulated-pi] $*" >&2; }
 die() { say "error: $*"; exit 1; }
+bad() { say "error: $*"; exit 2; }  # a person's bad input (a command, an environment variable)
+# Anything that fails without its own check still ends with one line naming the command (only in the
+# script's own shell: a failure inside $(...) or ( ... ) is reported once, by the line that ran it).
+trap 'rc=$?; if [[ $BASH_SUBSHELL -eq 0 ]]; then say "error: line $LINENO: \"$BASH_COMMAND\" exited $rc"; fi; exit $rc' ERR
+case "$CPU" in cortex-a76|cortex-a72|cortex-a53|max) ;; *) bad "FEDGE_PI_CPU=$CPU: use cortex-a76, cortex-a72, cortex-a53 or max" ;; esac
+[[ "$NCPUS" =~ ^[1-9][0-9]*$ ]] || bad "FEDGE_PI_CPUS=$NCPUS: give a number of cores (1, 2, 4)"
 now() { date +%s.%N; }
 # `done_in NAME T0`: the line benchmarks/emulated_pi.py parses for its per-step timings
 done_in() { say "$1 done in $(awk -v a="$2" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}') s"; }
@@ -80,29 +92,49 @@ step_host_packages() {
         say "host packages: present"; return
     fi
     [[ $EUID -eq 0 ]] || die "run as root (apt-get install qemu-user-static binfmt-support debootstrap)"
+    command -v apt-get >/dev/null || die "no apt-get: install qemu-user-static, binfmt-support and debootstrap by hand"
     say "host packages: apt-get install qemu-user-static binfmt-support debootstrap"
-    apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user-static binfmt-support debootstrap >/dev/null
+    apt-get update -q >/dev/null || die "apt-get update failed (network or apt sources; see above)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user-static binfmt-support debootstrap >/dev/null \
+        || die "apt-get install qemu-user-static binfmt-support debootstrap failed (see above)"
+    command -v qemu-aarch64-static >/dev/null || die "apt-get installed qemu-user-static but there is no qemu-aarch64-static"
     done_in host_packages "$t0"
 }
 
 # ExecuTorch runs its bundled flatc (an aarch64 binary) as a subprocess when it builds a zero weights
 # file; that exec only works through binfmt_misc. QEMU_LD_PREFIX/QEMU_CPU reach those children via the env.
 ensure_binfmt() {
-    if [[ ! -e /proc/sys/fs/binfmt_misc/status ]]; then
-        [[ $EUID -eq 0 ]] || die "binfmt_misc is not mounted and only root can mount it"
-        mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc || die "cannot mount binfmt_misc"
+    if [[ ! -e "$BINFMT/status" ]]; then
+        [[ "$BINFMT" == "$BINFMT_DEFAULT" ]] || die "FEDGE_BINFMT_DIR=$BINFMT: no binfmt_misc there (no status file)"
+        [[ $EUID -eq 0 ]] || die "binfmt_misc is not mounted; as root: mount -t binfmt_misc binfmt_misc $BINFMT"
+        mount -t binfmt_misc binfmt_misc "$BINFMT" \
+            || die "cannot mount binfmt_misc at $BINFMT (in a container: run it --privileged, or mount it on the host)"
     fi
-    local reg=/proc/sys/fs/binfmt_misc/qemu-aarch64 interp
+    local reg="$BINFMT/qemu-aarch64" interp=""
     # a registration can outlive its interpreter (qemu-user-static removed): then register again
-    # (|| true: before the first registration there is no $reg, and set -e would end the script silently)
-    interp=$(sed -n 's/^interpreter //p' "$reg" 2>/dev/null || true)
-    if ! grep -qs '^enabled' "$reg" || [[ ! -x "$interp" ]]; then
-        [[ $EUID -eq 0 ]] || die "qemu-aarch64 is not registered with binfmt_misc and only root can do it"
-        if [[ -e "$reg" && ! -x "$interp" ]]; then echo -1 > "$reg"; fi
-        update-binfmts --enable qemu-aarch64 >/dev/null || die "update-binfmts --enable qemu-aarch64 failed"
+    if [[ -f "$reg" ]]; then
+        interp=$(sed -n 's/^interpreter //p' "$reg") || die "cannot read $reg"
+        if grep -q '^enabled' "$reg" && [[ -x "$interp" ]]; then return 0; fi
     fi
-    grep -qs '^enabled' "$reg" || die "qemu-aarch64 binfmt is not enabled"
+    local what="not registered"
+    [[ -f "$reg" ]] && what="registered with interpreter '${interp:-none}', which is missing or disabled"
+    [[ $EUID -eq 0 ]] || die "qemu-aarch64 is $what in binfmt_misc; as root: $0 binfmt (or update-binfmts --enable qemu-aarch64)"
+    local qemu; qemu=$(command -v qemu-aarch64-static) || die "no qemu-aarch64-static: apt-get install qemu-user-static"
+    if [[ -f "$reg" ]]; then echo -1 > "$reg" || die "cannot remove the stale registration $reg"; fi
+    # Debian's way first (binfmt-support's database, the package's flags); then the kernel's own interface,
+    # with qemu's aarch64 ELF magic and mask (qemu's scripts/qemu-binfmt-conf.sh) and F: the interpreter is
+    # opened now, so it works inside the rootfs too. Another FEDGE_BINFMT_DIR is never given to update-binfmts.
+    if [[ "$BINFMT" == "$BINFMT_DEFAULT" ]] && command -v update-binfmts >/dev/null; then
+        update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
+    fi
+    if [[ ! -f "$reg" ]]; then
+        [[ -e "$BINFMT/register" ]] || die "no $BINFMT/register: cannot register qemu-aarch64"
+        printf '%s\n' ':qemu-aarch64:M::\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00:\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff:'"$qemu"':F' \
+            > "$BINFMT/register" || die "the kernel refused the qemu-aarch64 registration ($BINFMT/register)"
+    fi
+    [[ -f "$reg" ]] && grep -q '^enabled' "$reg" \
+        || die "qemu-aarch64 is still not registered in $BINFMT after registering it (update-binfmts, $BINFMT/register)"
+    say "binfmt: qemu-aarch64 registered ($qemu)"
 }
 
 # debootstrap's first stage only downloads and unpacks the essentials; instead of its second stage (7.5 min
@@ -111,15 +143,19 @@ ensure_binfmt() {
 step_rootfs() {
     if [[ -f "$ROOTFS/.fedge-ready" ]]; then say "rootfs: cached ($ROOTFS)"; return; fi
     local t0; t0=$(now)
+    [[ $EUID -eq 0 ]] || die "run as root (debootstrap unpacks device nodes and owners into the rootfs)"
+    command -v debootstrap >/dev/null || die "no debootstrap: apt-get install debootstrap"
     rm -rf "$ROOTFS"
-    mkdir -p "$PI_DIR"
+    mkdir -p "$PI_DIR" || die "cannot create $PI_DIR"
     say "rootfs: debootstrap --foreign --arch=arm64 --variant=minbase --include=python3 bookworm"
     debootstrap --foreign --arch=arm64 --variant=minbase --include=python3 bookworm "$ROOTFS" "$MIRROR" \
         > "$PI_DIR/debootstrap.log" 2>&1 || { tail -20 "$PI_DIR/debootstrap.log" >&2; die "debootstrap failed"; }
     done_in debootstrap "$t0"
-    local t1; t1=$(now)
-    say "rootfs: dpkg -x $(ls "$ROOTFS"/var/cache/apt/archives/*.deb | wc -l) packages"
-    for d in "$ROOTFS"/var/cache/apt/archives/*.deb; do dpkg -x "$d" "$ROOTFS"; done
+    local t1 debs; t1=$(now)
+    debs=("$ROOTFS"/var/cache/apt/archives/*.deb)
+    [[ -e "${debs[0]}" ]] || die "debootstrap left no .debs in $ROOTFS/var/cache/apt/archives (log: $PI_DIR/debootstrap.log)"
+    say "rootfs: dpkg -x ${#debs[@]} packages"
+    for d in "${debs[@]}"; do dpkg -x "$d" "$ROOTFS" || die "dpkg -x $(basename "$d") failed"; done
     rm -f "$ROOTFS"/var/cache/apt/archives/*.deb
     [[ -x "$ROOTFS/usr/bin/python3.11" ]] || die "no python3.11 in the rootfs"
     touch "$ROOTFS/.fedge-ready"
@@ -130,11 +166,14 @@ step_wheels() {
     local key; key=$(reqs_key)
     if [[ -f "$WHEELS/.fedge-$key" ]]; then say "wheels: cached ($WHEELS, $(du -sh "$WHEELS" | cut -f1))"; return; fi
     local t0; t0=$(now)
-    mkdir -p "$WHEELS"
+    "$HOST_PY" -m pip --version >/dev/null 2>&1 \
+        || die "$HOST_PY has no pip: set FEDGE_HOST_PYTHON to a Python 3 with pip (it fetches the aarch64 wheels)"
+    mkdir -p "$WHEELS" || die "cannot create $WHEELS"
     say "wheels: pip download for aarch64: ${DEVICE_REQS[*]} $ET_REQ (+ its deps); torch brings ~2 GB of CUDA wheels"
     host_pip download -q --no-cache-dir --dest "$WHEELS" "${PIP_TARGET_ARGS[@]}" \
-        "${DEVICE_REQS[@]}" "${ET_DEPS[@]}"
-    host_pip download -q --no-cache-dir --no-deps --dest "$WHEELS" "${PIP_TARGET_ARGS[@]}" "$ET_REQ"
+        "${DEVICE_REQS[@]}" "${ET_DEPS[@]}" || die "pip download of the aarch64 wheels failed (network or index; see above)"
+    host_pip download -q --no-cache-dir --no-deps --dest "$WHEELS" "${PIP_TARGET_ARGS[@]}" "$ET_REQ" \
+        || die "pip download of $ET_REQ for aarch64 failed (see above)"
     rm -f "$WHEELS"/.fedge-*
     touch "$WHEELS/.fedge-$key"
     done_in download "$t0"
@@ -145,12 +184,13 @@ step_site() {
     local key; key=$(reqs_key)
     if [[ -f "$SITE/.fedge-$key" ]]; then say "site: cached ($SITE, $(du -sh "$SITE" | cut -f1))"; return; fi
     local t0; t0=$(now)
+    [[ -f "$WHEELS/.fedge-$key" ]] || die "no downloaded wheels in $WHEELS: the wheels step has not finished"
     rm -rf "$SITE"
     say "site: pip install --target (from the cached wheels only)"
     # --no-warn-conflicts: pip would compare the target with the *host's* installed packages
     local inst=(install -q --no-index --find-links "$WHEELS" --target "$SITE" --no-warn-conflicts
                 --root-user-action=ignore "${PIP_TARGET_ARGS[@]}")
-    host_pip "${inst[@]}" "${DEVICE_REQS[@]}" "${ET_DEPS[@]}"
+    host_pip "${inst[@]}" "${DEVICE_REQS[@]}" "${ET_DEPS[@]}" || die "pip install --target $SITE failed (see above)"
     # into the same target: pip warns that bin/ already exists and skips it (executorch's console scripts)
     host_pip "${inst[@]}" --no-deps "$ET_REQ" 2>&1 | grep -v "already exists" >&2 || true
     [[ -d "$SITE/executorch" && -d "$SITE/torch" ]] || die "install incomplete: no torch or executorch in $SITE"
@@ -171,8 +211,9 @@ write_cpu_identity() {
             features="fp asimd evtstrm crc32 cpuid" ;;
         cortex-a53) midr=0x00000000410fd034      # Pi 3 / Zero 2 W: Cortex-A53 r0p4
             features="fp asimd evtstrm crc32 cpuid" ;;
-        *) die "FEDGE_PI_CPU=$CPU: use cortex-a76, cortex-a72, cortex-a53 or max" ;;
+        *) bad "FEDGE_PI_CPU=$CPU: use cortex-a76, cortex-a72, cortex-a53 or max" ;;
     esac
+    [[ -d "$ROOTFS/usr" ]] || die "no rootfs at $ROOTFS: run $0 setup first"
     local cpudir="$ROOTFS/sys/devices/system/cpu" last=$((NCPUS - 1)) i
     rm -rf "$ROOTFS/sys"
     mkdir -p "$cpudir" "$ROOTFS/proc"
@@ -201,8 +242,9 @@ step_cross_packages() {
     [[ $EUID -eq 0 ]] || die "run as root (apt-get install ${missing[*]})"
     local t0; t0=$(now)
     say "cross packages: apt-get install ${missing[*]}"
-    apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
+    apt-get update -q >/dev/null || die "apt-get update failed (network or apt sources; see above)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null \
+        || die "apt-get install ${missing[*]} failed (see above)"
     done_in cross_packages "$t0"
 }
 
@@ -362,7 +404,8 @@ cmd_setup() {
     write_cpu_identity
     say "check: python3 in the emulated Pi ($CPU)"
     ( cmd_run python3 -c "import platform, numpy, msgpack, paho.mqtt; print('aarch64 userland ok:', platform.machine(), \
-'python', platform.python_version(), 'numpy', numpy.__version__)" )
+'python', platform.python_version(), 'numpy', numpy.__version__)" ) \
+        || die "python3 does not start in the emulated Pi ($CPU): see the lines above"
     done_in setup "$t0"
 }
 
@@ -395,8 +438,10 @@ case "${1:-}" in
     setup) shift; cmd_setup "$@" ;;
     run) shift; [[ "${1:-}" == "--" ]] && shift; cmd_run "$@" ;;
     info) cmd_info ;;
+    binfmt) ensure_binfmt ;;
     check-native) shift; cmd_check_native "$@" ;;
     build-native|setup-native) cmd_build_native ;;
     native) shift; cmd_native "$@" ;;
-    *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    "") sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) bad "unknown command '$1' (setup, run, info, binfmt, check-native, build-native, native; none: help)" ;;
 esac

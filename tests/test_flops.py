@@ -357,3 +357,69 @@ def test_flops_pa_over_mqtt_on_every_runtime_exports_the_exact_density(tmp_path,
     spec, w = s.global_model(rep["_state"])
     export_final(spec, w, tmp_path / "final", "flops-pa")
     assert onnx_density(tmp_path / "final" / "flops-pa.onnx") == (241, 2410)
+
+
+# ---------------------------------------------------------------- the multiplier (issue #27)
+
+def _flops_run(lam_lr, exchanges, method="flops", **kw):
+    p = make_problem("LR", d=100, n_clients=10, n_train=1000, snr=20, seed=3)
+    extra = {"steps_per_epoch": 1} if method == "flops" else {}
+    s = make_strategy(method, spec=mlp([100, 1]), rho=0.05, loss="mse", bias=False, lr=0.03, la_lr=10.0,
+                      lam_lr=lam_lr, batch_size=20, **extra, **kw)
+    loop = Loop(s, p.shards, seed=0, threads=1)
+    try:
+        trace = []
+        for _ in range(exchanges):
+            loop.round(list(range(10)))
+            trace.append(s.metrics(loop.state) | {"theta_nnz": int(np.count_nonzero(loop.state.weights["theta"]))})
+        return s, p, s.pruned(loop.state), trace
+    finally:
+        loop.close()
+
+
+def test_flops_multiplier_closes_the_gates_before_any_pruning_step():
+    """Dense FLoPS with no exact-density step (prune start beyond the run): the multiplier alone takes the
+    test-time density from 1 towards rho = 0.05 (the paper's Fig. 1) and keeps the true support; with
+    lam_lr = 0 the same run keeps every gate open. lambda follows its ascent, lam_lr c(phi) per exchange."""
+    s, p, theta, tr = _flops_run(0.1, 80, prune_start=10**6)
+    _, _, theta0, tr0 = _flops_run(0.0, 80, prune_start=10**6)
+    assert tr[0]["density"] == 1.0 and tr0[-1]["density"] == 1.0 and tr0[-1]["expected_density"] > 0.8
+    assert tr[-1]["density"] < 0.15 and tr[-1]["expected_density"] < 0.35  # from 1.0 and 0.83
+    assert (theta[p.support] != 0).all() and F.density(theta) == tr[-1]["density"]
+    lam = [0.0] + [t["lambda"] for t in tr]
+    for i in range(1, len(lam)):  # the server's ascent at the committed phi (c > 0 throughout: no restart)
+        assert tr[i - 1]["expected_density"] > 0.05
+        assert lam[i] == pytest.approx(lam[i - 1] + 0.1 * (tr[i - 1]["expected_density"] - 0.05), rel=1e-9, abs=1e-12)
+    assert all(t["lambda"] == 0.0 for t in tr0)
+
+
+def test_flops_pa_model_is_k_sparse_from_round_0_whatever_the_multiplier():
+    """Why the multiplier cannot change FLoPS-PA in fedge's reading (docs/flops.md): the top-k message zeroes
+    theta_hat beyond the k kept entries from round 0, so the model has at most k non-zero weights before
+    prune start while the relaxed constraint c(phi) stays violated; lambda's gradient then falls on the
+    log-alphas of zero weights (the rest, one mean), which only the rest's mean carries."""
+    s, p, theta, tr = _flops_run(0.1, 12, method="flops-pa", prune_start=10**6)
+    _, _, theta0, tr0 = _flops_run(0.0, 12, method="flops-pa", prune_start=10**6)
+    for t in tr + tr0:
+        assert t["theta_nnz"] <= s.k and t["density"] <= s.k / s.n and t["expected_density"] > 0.05 + 0.5
+    assert tr[-1]["lambda"] > 0.5 and tr0[-1]["lambda"] == 0.0
+    # the same weights survive with and without the multiplier, and the kept values barely move
+    np.testing.assert_array_equal(theta != 0, theta0 != 0)
+    assert np.abs(theta - theta0).max() < 0.02 * np.abs(theta0).max()
+
+
+def test_benchmark_paired_interval_against_a_hand_computation():
+    """The synthetic benchmark's comparison: the paired difference over seeds, its 95% t-interval
+    (t_{0.975, n-1} s_d / sqrt(n)) and whether it excludes 0; the spread is the sample standard deviation."""
+    from benchmarks.flops_synthetic import paired, spread
+    a, b = [0.9, 0.8, 0.85, 0.95, 0.7], [0.8, 0.8, 0.8, 0.8, 0.8]
+    d = [0.1, 0.0, 0.05, 0.15, -0.1]  # mean 0.04; squared deviations sum to 0.037: sample variance 0.00925
+    half = 2.776 * math.sqrt(0.00925) / math.sqrt(5)
+    got = paired(a, b)
+    assert got["diff"] == pytest.approx(0.04) and got["ci95"] == pytest.approx(half, rel=1e-9)
+    assert not got["exceeds_noise"]  # 0.04 < 0.119
+    got = paired([x + 0.2 for x in b[:3]], b[:3])  # constant difference: zero spread, the interval is 0
+    assert got["diff"] == pytest.approx(0.2) and got["ci95"] == pytest.approx(0, abs=1e-12) and got["exceeds_noise"]
+    assert paired([0.5, None, 0.7], [0.4, 0.4, 0.4])["exceeds_noise"] is False  # a diverged seed: not a finding
+    sp = spread(a)
+    assert sp["mean"] == pytest.approx(0.84) and sp["sd"] == pytest.approx(math.sqrt(0.00925))  # a - 0.84 = d - 0.04

@@ -60,6 +60,30 @@ def test_worker_spools_what_passes_and_a_refusal_with_its_reason(tmp_path):
     assert shared_subscription("f") == "$share/fedge-ingest/fedge/v1/f/report/+"
 
 
+def test_a_worker_that_cannot_write_its_inbox_stops_and_says_so(tmp_path, caplog):
+    """A full disk under the inbox: the worker logs one line, writes nothing more and stops as a crashed worker
+    would (what it held was never acked, so its devices resend it to a live worker); `fedge ingest` then exits 1.
+    Before, the exception ended the link's thread silently and the process went on looking alive."""
+    import sqlite3
+    w = IngestWorker(BrokerAddress(), "f", inbox_path(tmp_path / "state.sqlite"), name="t")
+    inbox = Inbox(inbox_path(tmp_path / "state.sqlite"))
+    inbox.set_limits({"d1": 4096})
+
+    def full(rows):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    w.inbox.append = full
+    w.on_message(w.link, wire.topic("f", "report", "d1"), _report("d1"), 1.0)
+    with caplog.at_level("ERROR", logger="fedge.ingest"):
+        w.on_pass_end(w.link, 1.0)
+    assert w.done.wait(5) and "disk is full" in w.failed
+    assert [r.getMessage() for r in caplog.records if "cannot write the inbox" in r.getMessage()] != []
+    assert w.spooled == 0 and inbox.take(0) == []
+    w.on_message(w.link, wire.topic("f", "report", "d1"), _report("d1"), 2.0)
+    w.on_pass_end(w.link, 2.0)  # nothing more is tried
+    assert len([r for r in caplog.records if "cannot write the inbox" in r.getMessage()]) == 1
+
+
 def test_inbox_frees_a_chunk_without_rewriting_its_pages(tmp_path):
     """The leader deletes every chunk it takes. With SQLite's defaults (Debian builds secure_delete on) that
     wrote each freed overflow page again, as zeros, into the WAL: a seventh of the leader's CPU. Both ends'

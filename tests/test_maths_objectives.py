@@ -205,7 +205,8 @@ def _fedsparse_ref(P, x, y, w, gin, lam0, ce, T, sizes, *, data_off=False, row_w
         h = h @ P[f"fc{i}.weight"].T + P[f"fc{i}.bias"]
         if i < n - 1:
             g = gin[i]
-            h, pen = _gate_layer(torch.relu(h), P[f"fc{i}.v"], g["norm"], g["u"], g["theta_logit"], lam0, ce, T,
+            lam = lam0[i] if isinstance(lam0, (list, tuple)) else lam0  # per layer: the per-weight L0 reading
+            h, pen = _gate_layer(torch.relu(h), P[f"fc{i}.v"], g["norm"], g["u"], g["theta_logit"], lam, ce, T,
                                  **_gate_kw(off))
             pens.append(pen)
     ww = torch.full((len(x),), 1.0 / len(x), dtype=torch.float64) if row_weights_off else T64(w)
@@ -236,6 +237,60 @@ def test_fedsparse_objective():
                            + BETA * math.log(-GAMMA / ZETA), T64(g["u"])).numpy() for i, g in gin.items()]
     z = np.concatenate(z)
     assert ((z > 0) & (z < 1)).any() and (z == 0).any()
+
+
+def test_fedsparse_l0_per_weight():
+    """App. G charges L0 per parameter: a group of |g| weights costs lambda0 |g| pi_g (layout l0 = "weight").
+    The 5-4-3-3 MLP's gated layers have groups of different sizes: a row of 5 weights and its bias (6), then 4
+    and a bias (5). Without the layout the same objective charges lambda0 once per group."""
+    sizes, T, lam0, ce = [5, 4, 3, 3], 1.3, 0.1, 0.25
+    rng = np.random.default_rng(7)
+    params, gin = _gated_setup(sizes, rng, T)
+    B = 6
+    x, y, w = rng.normal(size=(B, 5)), rng.integers(0, 3, B), row_weights(B, rng)
+    inputs = {"x": f32(x), "y": y, "w": f32(w), "lambda0": f32(lam0), "ce_scale": f32(ce), "T": f32(T)}
+    for i, g in gin.items():
+        inputs |= {f"u{i}": f32(g["u"]), f"theta_logit{i}": f32(g["theta_logit"]), f"norm{i}": f32(g["norm"])}
+
+    def ref(per_group=False, one_size=False, **off):
+        lams = [lam0, lam0] if per_group else [lam0 * 6, lam0 * (6 if one_size else 5)]
+        return autograd(params, lambda P: _fedsparse_ref(P, x, y, w, gin, lams, ce, T, sizes, **off))
+
+    full = ref()
+    agree(run_code("fedsparse", mlp(sizes), {"l0": "weight"}, params, inputs), full)
+    every_term_matters(ref, full, ["per_group", "one_size", "lambda0_off"])
+    agree(run_code("fedsparse", mlp(sizes), None, params, inputs), ref(per_group=True))
+
+
+def test_fedsparse_l0_per_weight_on_a_module():
+    """A person's CNN (the issue's: 5x5 convs of 1 -> 8 and 8 -> 16 channels, Linear 256-64-10): its groups hold
+    1*5*5 + 1 = 26, 8*5*5 + 1 = 201 and 256 + 1 = 257 weights. With the same noise the per-weight loss exceeds
+    the per-group loss by exactly lambda0 sum_layers (|g| - 1) sum_g pi_g, pi = sigmoid((norm - softplus(v)) / T)
+    computed here in float64 from the inputs."""
+    from export.modelref import resolve
+    spec = resolve("benchmarks/unseen_zoo.py:cnn", (1, 28, 28), 10)
+    from edge.model import init_weights
+    rng = np.random.default_rng(3)
+    weights = {k: np.asarray(v, np.float64) for k, v in init_weights(spec, 0).items()}
+    T, lam0, ce = 0.5, 1e-3, 0.1
+    layers, sizes = ["0", "3", "7"], [26, 201, 257]
+    B = 4
+    inputs = {"x": f32(rng.normal(size=(B, 1, 28, 28))), "y": rng.integers(0, 10, B), "w": f32(np.full(B, 1 / B)),
+              "lambda0": f32(lam0), "ce_scale": f32(ce), "T": f32(T)}
+    extra = 0.0
+    for i, (L, n) in enumerate(zip(layers, [8, 16, 64])):
+        norm = rng.uniform(1.5, 3.0, n)
+        logit_pi = rng.uniform(-2, 2, n)
+        weights[f"{L}.v"] = thresholds_for(norm, logit_pi, T)
+        pi = 1 / (1 + np.exp(-(norm - np.log1p(np.exp(weights[f"{L}.v"].astype(np.float32).astype(np.float64)))) / T))
+        extra += lam0 * (sizes[i] - 1) * pi.sum()
+        inputs |= {f"u{i}": f32(rng.uniform(0.05, 0.95, n)), f"theta_logit{i}": f32(rng.normal(size=n)),
+                   f"norm{i}": f32(norm)}
+    per_w = run_code("fedsparse", spec, {"l0": "weight"}, weights, inputs)
+    per_g = run_code("fedsparse", spec, None, weights, inputs)
+    got = float(per_w[0]) - float(per_g[0])
+    assert extra > 0.05  # far above float32 error of a loss of ~2.5 (~1e-6)
+    assert abs(got - extra) <= 1e-5 + 1e-5 * abs(extra), (got, extra)
 
 
 def test_hard_concrete_is_placed_so_that_p_open_is_pi():

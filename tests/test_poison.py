@@ -3,20 +3,26 @@ that declare what they like. The accuracy guard must not stall the fleet (a refu
 out and strikes them), and a declared sample count must not buy the mean."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+
+from benchmarks.attack_families.poison import flipped_report
+from coordinator.admission import update_norm
 
 from coordinator import rounds as R
 from coordinator.daemon import Evaluator, ProgramCatalog
 from coordinator.datasets import digits_federated
 from coordinator.rounds import RoundConfig, RoundMachine
+from coordinator.strategies import make_strategy
 from coordinator.strategies.fedavg import FedAvg
 from edge import model as M
 from edge.protocol import agent as A
 from edge.protocol import wire
-from edge.protocol.wire import Report, TensorUpdate
+from edge.protocol.wire import Report
 
-from conftest import Bus
+from conftest import Bus, make_trainer
 
 CAPS = {"runtime": "torch", "charging": True, "network": "wifi", "idle": True, "memory_mb": 1024}
 
@@ -38,29 +44,40 @@ class PoisonBus(Bus):
         super().tick(dt)
 
     def _device_actions(self, dev, actions):
-        if dev in self.poisoners:
-            actions = [self._poison(dev, a) if isinstance(a, A.Publish) and "/report/" in a.topic else a
-                       for a in actions]
-        super()._device_actions(dev, actions)
+        if dev not in self.poisoners:
+            return super()._device_actions(dev, actions)
+        for a in actions:  # in order: a plan's program is stored before it trains
+            if isinstance(a, A.StartTraining) and a.plan.round >= self.start and self.frac is not None:
+                self._device_actions(dev, self.agents[dev].training_done(self._poisoned(dev, a.plan), self.now))
+            else:
+                super()._device_actions(dev, [self._lying(a) if isinstance(a, A.Publish) and "/report/" in a.topic
+                                              else a])
 
-    def _poison(self, dev, a):
+    def _lying(self, a):
+        """Its honest update, with the count it declared (frac None)."""
         r = wire.decode(a.payload)
+        o = self.m.open
+        if not self.lie or o is None or r.task_id != o.task_id or o.round < self.start:
+            return a
+        return A.Publish(a.topic, wire.encode(Report(r.task_id, r.device_id, self.lie, r.metrics, r.tensors,
+                                                     r.extras)))
+
+    def _poisoned(self, dev, plan):
+        """Its honest training, sent sign-flipped (frac < 0: boosted) at frac of the bound admission applies."""
         m, o = self.m, self.m.open
-        if o is None or r.task_id != o.task_id:
-            return a
-        if o.round < self.start:
-            return a
-        plan = o.plans[dev]
-        if self.frac is None:  # its honest update, with the count it declared
-            return A.Publish(a.topic, wire.encode(Report(r.task_id, r.device_id, self.lie, r.metrics, r.tensors)))
-        d = {k: t.values.astype(np.float64) - plan.weights[k] for k, t in r.tensors.items()}
-        norm = float(np.sqrt(sum(float((v * v).sum()) for v in d.values())))
-        n = self.lie or r.n_samples
-        bound = m.cfg.admission.bound(m.history, plan, min(n, o.n_cap or n))
-        scale = self.frac * bound / norm
-        tens = {k: TensorUpdate(t.shape, (plan.weights[k] - scale * d[k]).astype(np.float32))
-                for k, t in r.tensors.items()}
-        return A.Publish(a.topic, wire.encode(Report(r.task_id, r.device_id, n, r.metrics, tens)))
+        t = self.trainers.get((dev, plan.program_hash))
+        if t is None:
+            t = self.trainers[(dev, plan.program_hash)] = make_trainer("torch")
+            t.load(self.caches[dev].get(plan.program_hash))
+        n = self.lie
+
+        def scale(honest):
+            dp = o.plans[dev]
+            norm = update_norm(dp, wire.decode(wire.encode(honest)))
+            bound = m.cfg.admission.bound(m.history, dp, min(n or honest.n_samples, o.n_cap or math.inf))
+            return self.frac * bound / norm
+
+        return flipped_report(plan, t, *self.data[dev], self.local[dev], scale, n)
 
 
 def make_poison_bus(tmp_path, *, poisoners=(), start=1, frac=0.95, lie=None, rounds=12, devices=10, seed=0,
@@ -160,3 +177,111 @@ def test_the_cap_changes_nothing_for_counts_under_it(tmp_path):
     from coordinator.admission import capped
     r = Report("t", "d0", 50, {}, {})
     assert capped(r, 100) is r and capped(r, None) is r and capped(r, 20).n_samples == 20
+
+
+# ---------------------------------------------------------------- poisoning from round 1 (the defaults that hold)
+
+def test_clearly_better_reads_a_step_as_progress():
+    """R.clearly_better, branch by branch, against the rule written out: a is clearly better than b (both one step
+    from a state of test loss `before`) with SCREEN_MARGIN more accuracy; or with a loss that fell where b's rose
+    (or is not finite); or, no less accurate than b by more than the margin, with a loss that fell and b's that
+    fell at most (1 - share) as far."""
+    m = R.SCREEN_MARGIN
+    assert R.clearly_better({"accuracy": 0.30 + m, "loss": 9.0}, {"accuracy": 0.30, "loss": 1.0}, 2.0)
+    assert not R.clearly_better({"accuracy": 0.30 + m / 2, "loss": 2.0}, {"accuracy": 0.30, "loss": 2.0}, 2.0)
+    # the loss: before 2.3; a fell 0.08, b 0.01 (<= half of a's): better; b 0.05: not
+    assert R.clearly_better({"accuracy": 0.15, "loss": 2.22}, {"accuracy": 0.19, "loss": 2.29}, 2.30)
+    assert not R.clearly_better({"accuracy": 0.15, "loss": 2.22}, {"accuracy": 0.19, "loss": 2.25}, 2.30)
+    assert R.clearly_better({"accuracy": 0.15, "loss": 2.22}, {"accuracy": 0.19, "loss": 2.25}, 2.30, share=0.0)
+    # ... b a step back: better; a no step forward: never
+    assert R.clearly_better({"accuracy": 0.2, "loss": 2.29}, {"accuracy": 0.2, "loss": 2.5}, 2.30)
+    assert not R.clearly_better({"accuracy": 0.2, "loss": 2.31}, {"accuracy": 0.2, "loss": 2.5}, 2.30)
+    # less accurate by more than the margin: the loss's progress does not count, unless b's step went back
+    assert not R.clearly_better({"accuracy": 0.14, "loss": 1.0}, {"accuracy": 0.14 + 1.01 * m, "loss": 2.29}, 2.30)
+    assert R.clearly_better({"accuracy": 0.09, "loss": 2.20}, {"accuracy": 0.18, "loss": 2.49}, 2.31)
+    # b's loss not finite: a finite one is better; a's not finite: never; no loss to start from: accuracy only
+    assert R.clearly_better({"accuracy": 0.1, "loss": 2.3}, {"accuracy": 0.1, "loss": math.inf}, None)
+    assert not R.clearly_better({"accuracy": 0.1, "loss": math.nan}, {"accuracy": 0.1, "loss": 2.0}, 2.3)
+    assert not R.clearly_better({"accuracy": 0.1, "loss": 1.0}, {"accuracy": 0.1, "loss": 2.0}, None)
+    assert not R.clearly_better({"loss": 1.0}, {"accuracy": 0.1, "loss": 2.0}, 2.3)
+
+
+def _reports(bus, task_id):
+    """The reports of a task as the coordinator received them (first delivery of each device)."""
+    out = {}
+    for topic, payload in bus.log:
+        if "/report/" in topic:
+            r = wire.decode(payload)
+            if r.task_id == task_id:
+                out.setdefault(r.device_id, r)
+    return out
+
+
+def test_round_one_bounds_each_report_by_the_rounds_own_median(tmp_path):
+    """Round 1 has no committed round behind it: admission's bound is 10x the model's norm, which a device's report
+    reaches easily. At the commit, every report is bounded by norm_factor x the round's median norm per local step,
+    as later rounds are by the last rounds': the state is the weighted mean with the far report clipped there,
+    computed here from the reports as they arrived."""
+    rules = R.AdmissionRules(screen_factor=None)  # the bound alone
+    bus = make_poison_bus(tmp_path, poisoners={"d2"}, start=1, frac=0.5, rounds=1, admission=rules,
+                          strategy=FedAvg(spec=M.mlp([64, 32, 10]), lr=0.1, epochs=2, batch_size=16))
+    w0 = {k: v.astype(np.float64) for k, v in bus.m.state.weights.items()}
+    run(bus)
+    (summary,) = bus.committed
+    reps = _reports(bus, summary["task_id"])
+    assert set(reps) == set(summary["accepted"]) and "d2" in reps
+    cap = math.ceil(2 * np.median([r.n_samples for r in reps.values()]))  # 2 x the median declared count
+    n = {d: min(r.n_samples, cap) for d, r in reps.items()}  # what a report weighs, and the steps it counts for
+    steps = {d: 2 * -(-n[d] // 16) for d in reps}
+    delta = {d: {k: t.values.astype(np.float64) - w0[k] for k, t in r.tensors.items()} for d, r in reps.items()}
+    norm = {d: math.sqrt(sum(float((v * v).sum()) for v in dd.values())) for d, dd in delta.items()}
+    bound = {d: 10.0 * float(np.median([norm[e] / steps[e] for e in reps])) * steps[d] for d in reps}
+    assert bound["d2"] < norm["d2"] < 10 * bound["d2"]  # clipped, neither refused nor left alone
+    assert all(norm[d] <= bound[d] for d in reps if d != "d2")
+    assert any(r.n_samples > cap for r in reps.values())  # the cap's steps are the ones that count
+    want = {k: w0[k] + sum(n[d] * min(1.0, bound[d] / norm[d]) * delta[d][k] for d in reps) / sum(n.values())
+            for k in w0}
+    for k, v in want.items():
+        np.testing.assert_allclose(bus.m.state.weights[k], v, rtol=1e-5, atol=1e-6)
+
+
+POISON_STRATEGIES = {
+    "fedavg": lambda: make_strategy("fedavg", spec=M.mlp([64, 64, 10]), lr=0.1),
+    "fedadam": lambda: make_strategy("fedadam", spec=M.mlp([64, 64, 10]), lr=0.1),
+    "fedprox": lambda: make_strategy("fedprox", spec=M.mlp([64, 64, 10]), lr=0.1),
+    "fedsparse-sampled": lambda: make_strategy("fedsparse", spec=M.mlp([64, 64, 10]), preset="max"),
+}
+
+
+def _poison_run(tmp_path, strategy, poisoners=(), absent=(), frac=0.95, rounds=12, admission=None):
+    bus = make_poison_bus(tmp_path, poisoners=poisoners, start=1, frac=frac, rounds=rounds,
+                          strategy=POISON_STRATEGIES[strategy](), admission=admission)
+    bus.m.cfg.min_reports = 6  # a fleet of ten that quarantined three can still commit
+    bus.dead = set(absent)
+    run(bus, max_ticks=1500)
+    assert bus.m.state.round == rounds
+    assert all(v <= 2 for v in abandoned(bus).values()), abandoned(bus)
+    return bus
+
+
+@pytest.mark.parametrize("strategy", sorted(POISON_STRATEGIES))
+def test_three_sign_flippers_from_round_one_are_left_out(tmp_path, strategy):
+    """3 of 10 devices send their update sign-flipped at 0.95 of the bound admission applies, from round 1, at the
+    default rules: every round commits, only they are left out (in round 1 too, where the guard has no accuracy
+    to keep), and the run ends as the same fleet without them does (the most any defence that throws their
+    reports away can reach). The honest fleet without them is never screened."""
+    bad = {"d1", "d4", "d7"}
+    bus = _poison_run(tmp_path / "p", strategy, poisoners=bad)
+    left = {s["round"]: set(s.get("excluded", [])) for s in bus.committed}
+    assert left[1] == bad, left
+    assert set().union(*left.values()) == bad
+    assert all(not (bad & set(s["accepted"])) for s in bus.committed)
+    ref = _poison_run(tmp_path / "a", strategy, absent=bad)
+    assert not any(s.get("excluded") for s in ref.committed)
+    assert bus.committed[-1]["accuracy"] >= ref.committed[-1]["accuracy"] - 0.02
+
+
+def test_without_the_screen_round_one_flippers_take_the_fleet(tmp_path):
+    """The control: the same attack with screen_factor = none (the round-1 bound still on) ends near chance."""
+    bus = _poison_run(tmp_path, "fedavg", poisoners={"d1", "d4", "d7"}, admission=R.AdmissionRules(screen_factor=None))
+    assert bus.committed[-1]["accuracy"] < 0.5

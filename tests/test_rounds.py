@@ -417,7 +417,10 @@ MACHINE_FIRES_IN = {
                                   lambda bus: bus.m.open_round(sorted(bus.m.registry.devices), bus.now))],
     (R.NO_ROUND, "tick"): [(2, lambda bus: _say(bus, "status", "d0", wire.Status("d0", "offline")),
                             lambda bus: bus.m.tick(bus.now + 0.1))],  # 3 eligible, 4 wanted: wait
-    (R.ROUND_OPEN, "checkin"): [(2, _gave_up(3), lambda bus: _gave_up(1, 3)(bus)),  # all gave up: abandon
+    # all gave up: abandoned, and the retry opens at once (all four are free again)
+    (R.ROUND_OPEN, "checkin"): [(2, _gave_up(3), lambda bus: _gave_up(1, 3)(bus)),
+                                # one went offline, the rest gave up: abandoned, 3 eligible of 4 wanted: no round
+                                (2, _both(_offline(1), _gave_up(2, 1)), lambda bus: _gave_up(1, 3)(bus)),
                                 (1, _both(_reports(2), _gave_up(1, 2)), lambda bus: _gave_up(1, 3)(bus))],
     (R.ROUND_OPEN, "report"): [(2, None, lambda bus: _reports(1)(bus)),
                                (2, _reports(3), lambda bus: _say(bus, "report", _sel(bus, 3),
@@ -482,6 +485,74 @@ def test_the_round_machines_table_is_complete_for_network_input():
     assert set(R.EVENTS) == {e for _, e in R.TRANSITIONS} and set(R.PHASES) == {p for p, _ in R.TRANSITIONS}
     assert all((p, e) in R.TRANSITIONS for p in R.PHASES for e in R.NETWORK)
     assert all(hasattr(RoundMachine, m.handler) for m in R.TRANSITIONS.values())
+
+
+def test_the_next_round_opens_in_the_event_that_commits(tmp_path):
+    """Enough devices eligible when a round commits: the next round opens in the same event, not at the next tick
+    (issue #26: up to a tick, 50 ms, of idle per round). The bus below ticks once: everything after it happens in
+    the events the messages bring."""
+    bus = make_bus(tmp_path, 8, rounds=3, per_round=4)  # 4 selected a round, 4 others free
+    bus.connect_all()
+    bus.tick(0.1)
+    assert [s["round"] for s in bus.committed] == [1, 2, 3]
+    records = [(p.what, p.data.get("round")) for p in bus.persisted if p.what in ("open", "commit")]
+    assert records == [("open", 1), ("commit", 1), ("open", 2), ("commit", 2), ("open", 3), ("commit", 3)]
+    assert {p.data["opened_at"] for p in bus.persisted if p.what == "open"} == {bus.now}
+    # the event that commits carries the next opening and its plans, after the commit
+    bus = make_bus(tmp_path / "b", 8, rounds=2, per_round=4)
+    bus.hold_training = set(bus.agents)
+    bus.connect_all()
+    bus.tick(0.1)
+    first = list(bus.m.open.selected)
+    for d in first:
+        acts = _say(bus, "report", d, _valid_report(bus, d))
+    kinds = [type(a).__name__ for a in acts]
+    opens = [i for i, a in enumerate(acts) if isinstance(a, R.Persist) and a.what == "open"]
+    assert len(opens) == 1 and kinds.index("RoundCommitted") < opens[0]
+    plans = [a.topic.rsplit("/", 1)[1] for a in acts[opens[0]:] if isinstance(a, R.Publish) and "/plan/" in a.topic]
+    assert sorted(plans) == sorted(bus.m.open.selected) and not set(plans) & set(first)
+
+
+def test_a_round_that_waits_for_its_programs_carries_the_wait_as_export_seconds(tmp_path):
+    """A round whose programs are still exporting opens once they are built; the wait is its ``export_s``, apart
+    from its ``wall_s`` (from its opening), so a slow export is not read as a slow round, nor hidden."""
+    bus = make_bus(tmp_path, 4, rounds=2, per_round=4)
+    exp = bus.m.programs = Exporting(bus.m.programs)
+    bus.connect_all()
+    bus.tick(0.1)
+    assert bus.m.open is None and exp.requested
+    bus.tick(7.0)  # still exporting
+    assert bus.m.open is None
+    exp.done = True
+    bus.tick(0.5)  # built: round 1 opens, its devices train and report, it commits
+    first = bus.committed[0]
+    assert first["export_s"] == pytest.approx(7.5) and first["wall_s"] == 0.0
+    bus.tick(0.1)
+    assert [s["export_s"] for s in bus.committed] == [pytest.approx(7.5), 0.0]  # its program was built already
+    commits = [p.data["summary"] for p in bus.persisted if p.what == "commit"]
+    assert [c["export_s"] for c in commits] == [s["export_s"] for s in bus.committed]  # in the durable record too
+
+
+def test_a_chunked_report_that_straddles_the_commit_is_acked_late(tmp_path):
+    """A report whose last chunks arrive after its round committed is read to its end and acked `late`, so the
+    device checks in at once; dropping the half-received transfer at the commit left it unanswered until its
+    ack_timeout_s (5 s), and a round that had selected it again waited that long."""
+    bus = make_bus(tmp_path, 8, rounds=2, per_round=2, over=1.5)  # 3 selected, 2 commit
+    bus.hold_training = set(bus.agents)
+    bus.connect_all()
+    bus.tick(0.1)
+    a, b, c = bus.m.open.selected
+    task = bus.m.open.task_id
+    parts = wire.split(wire.encode(_valid_report(bus, c)), f"r-{task}", 2048)
+    assert len(parts) >= 2
+    topic = wire.topic("default", "report", c)
+    assert bus.m.receive(topic, parts[0], bus.now) == []
+    _say(bus, "report", a, _valid_report(bus, a))
+    acts = _say(bus, "report", b, _valid_report(bus, b))
+    assert any(isinstance(x, R.RoundCommitted) for x in acts)
+    out = [x for p in parts[1:] for x in bus.m.receive(topic, p, bus.now)]
+    acks = [wire.decode(x.payload) for x in out if isinstance(x, R.Publish) and "/ack/" in x.topic]
+    assert [(k.task_id, k.device_id, k.status) for k in acks] == [(task, c, "late")]
 
 
 def test_design_doc_shows_the_round_machines_table():

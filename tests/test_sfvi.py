@@ -366,16 +366,21 @@ def test_invariance_over_the_wire(tmp_path):
     for _ in range(4):
         bus.tick(0.1)
     assert len(bus.committed) == 4
-    salts = [int(bus.local[f"d{i}"].load(ES.STATE)["salt"][0]) for i in range(3)]
-    G, locs, _ = centralised_run(s, shards, salts, 4, lr)
+    assert_centralised(bus, s, shards, 4, lr)
+    moved = max(float(np.abs(bus.m.state.weights[k] - f32(w0[k])).max()) for k in w0)
+    assert moved > 0.1
+
+
+def assert_centralised(bus, s, shards, rounds: int, lr: float) -> None:
+    """The fleet's global state and every device's local one equal centralised VI's after ``rounds`` (1e-5)."""
+    salts = [int(bus.local[f"d{i}"].load(ES.STATE)["salt"][0]) for i in range(len(shards))]
+    G, locs, _ = centralised_run(s, shards, salts, rounds, lr)
     for k, v in G.items():
         np.testing.assert_allclose(bus.m.state.weights[k], v.detach().numpy(), rtol=0, atol=1e-5, err_msg=k)
     for i, P in enumerate(locs):
         st = bus.local[f"d{i}"].load(ES.STATE)
         for k, v in P.items():
             np.testing.assert_allclose(st[f"eta/{k}"], v.detach().numpy(), rtol=0, atol=1e-5, err_msg=f"d{i} {k}")
-    moved = max(float(np.abs(bus.m.state.weights[k] - f32(w0[k])).max()) for k in w0)
-    assert moved > 0.1
 
 
 def fixed_salts(monkeypatch):
@@ -428,7 +433,8 @@ def test_partial_participation_scales_by_J_over_S_and_absent_devices_keep_their_
     at = {k: f32(v) for k, v in state0.weights.items()}
     _, g0 = global_term(s.model, at, s.eps(state0))
     for k in g:
-        summed = sum(reps[i].tensors[k].dense().astype(np.float64) for i in (1, 3))
+        # a report is g_j / N_j (docs/sfvi.md, "Admission"): the server sums N_j times it
+        summed = sum(len(shards[i][0]) * reps[i].tensors[k].dense().astype(np.float64) for i in (1, 3))
         np.testing.assert_allclose(g[k], 2.0 * summed + g0[k], rtol=1e-12, atol=1e-12)
     new = s.finish(state0, acc)
     assert new.meta["participants"] == 2 and new.meta["J"] == 4
@@ -645,8 +651,9 @@ def test_device_round_on_ort_equals_torch(tmp_path):
         states[rt] = ls.load(ES.STATE)
     assert not reps["torch"].tensors["theta.log_sb"].values.any()  # log p(Z_G)'s alone: the server adds it
     for k, t in reps["torch"].tensors.items():
-        assert k == "theta.log_sb" or np.abs(t.values).max() > 1e-2
-        np.testing.assert_allclose(reps["ort"].tensors[k].values, t.values, rtol=1e-4, atol=1e-5)
+        g = t.values * len(x)  # a report is g_j / N_j (docs/sfvi.md, "Admission"): compared as g_j
+        assert k == "theta.log_sb" or np.abs(g).max() > 1e-2
+        np.testing.assert_allclose(reps["ort"].tensors[k].values * len(x), g, rtol=1e-4, atol=1e-5)
     for k, v in states["torch"].items():
         np.testing.assert_allclose(states["ort"][k], v, rtol=1e-5, atol=1e-6)
 

@@ -316,12 +316,15 @@ def test_data_files_and_directories(tmp_path):
 def test_simulate_refuses_person_facing_mistakes_in_one_line(tmp_path, capsys):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "d.npz", x=rng.normal(size=(60, 1, 8, 8)).astype(np.float32), y=rng.integers(0, 9, 60))
+    np.savez(tmp_path / "d4.npz", x=rng.normal(size=(60, 1, 8, 8)).astype(np.float32), y=rng.integers(0, 4, 60))
     base = ["simulate", "--no-progress", "--workdir", str(tmp_path / "w"), "--data", str(tmp_path / "d.npz")]
     for args, says in [
         (["--model", f"{MODELS}:bn_cnn"], "its last layer has 4 outputs, the labels go up to 8"),
         (["--model", f"{MODELS}:gelu_mlp"], "does not run on examples of shape [1, 8, 8]"),
         (["--model", f"{MODELS}:not_a_module"], "returned str, not a torch.nn.Module"),
         (["--model", "nothing"], "expected mlp or cnn"),
+        (["--model", f"{MODELS}:bn_cnn", "--strategy", "flops-pa", "--data", str(tmp_path / "d4.npz")],
+         "flops-pa takes the zoo's MLP and CNN"),
         (["--partition", "shards:0"], "--partition = 'shards:0'"),
         (["--runtimes", "torch,tflite"], "--runtimes = 'torch,tflite'"),
         (["--data", str(tmp_path / "none.npz")], "none.npz: no such file"),

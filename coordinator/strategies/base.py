@@ -74,6 +74,9 @@ class DevicePlan:
     wire: dict[str, Any] | None = None
     tag: str = ""
     base: str = ""
+    # The program a device with the padded_programs extension runs instead of (spec, layout)'s own: the smallest
+    # bucket that holds this network, and the bucket family to build ahead of time (coordinator/buckets.py).
+    padded: Any = None
 
     def __post_init__(self) -> None:
         if self.update not in ("weights", "gradient"):

@@ -1,9 +1,12 @@
 """FLoPS's baselines, the server halves, on the plain network (objective ``flops_dense``):
 
 - **FedIter-HT** (``fediter-ht``; Tong et al. 2022, "Federated nonconvex sparse learning"): the weighted mean
-  of the clients' models, then the hard-thresholding operator H_k (keep the k = round(rho |theta|) largest
-  |theta|); clients also threshold after every local step (edge/algorithms/fediter_ht.py). Since the model is
-  k-sparse both ways, plans and reports are top-k messages: int32 indices and the values there.
+  of the clients' models, then the hard-thresholding operator H_k, per tensor: k = round(rho |theta|) entries
+  are kept in all, biases whole and the rest shared among the weight tensors in proportion to their sizes,
+  each keeping its largest |theta| (edge/algorithms/fediter_ht.py: ``keep_counts``, ``threshold``; one global
+  H_k over a network keeps the largest layer's weights only, docs/flops.md). Clients also threshold after
+  every local step. Since the model is k-sparse both ways, plans and reports are top-k messages: int32
+  indices and the values there, as many in each tensor as its count.
 - **FedAvg + final magnitude prune** (``fedavg-prune``): dense FedAvg; the global model is H_k of the averaged
   weights (paper 002's "FedAvg": dense training and magnitude pruning in the last epoch).
 
@@ -19,6 +22,7 @@ import numpy as np
 
 from edge import flops as F
 from edge import model as M
+from edge.algorithms import fediter_ht as HT
 from edge.algorithms.base import Hparams
 from edge.protocol.wire import Report
 
@@ -41,6 +45,7 @@ class FedIterHT:
     model: str = field(default="", metadata={"choices": ("", "mlp", "cnn")})
     theta_init: str = field(default="dense", metadata={"choices": ("dense", "sparse")})  # as FLoPS-PA's
     name: str = "fediter-ht"
+    per_tensor: ClassVar[bool] = True  # H_k per tensor (FedIter-HT) or over the flat vector (FedAvg + prune)
 
     def __post_init__(self) -> None:
         if (self.loss not in ("ce", "mse", "bce") or self.weighting not in ("samples", "uniform")
@@ -50,16 +55,23 @@ class FedIterHT:
             if self.model not in ZOO_SPECS:
                 raise ValueError(f"model must be one of {sorted(ZOO_SPECS)}, not {self.model!r}")
             self.spec = ZOO_SPECS[self.model]()
+        if self.spec.get("arch") not in ("mlp", "cnn"):  # a person's module: the gates are laid out per layer
+            raise ValueError(f"{self.name} takes the zoo's MLP and CNN (model = mlp or cnn), not a "
+                             f"{self.spec.get('arch', 'module')!r} model brought as a file")
         self.shapes = F.gated_shapes(self.spec, self.bias)
         self.n = F.size(self.shapes)
         self.k = F.n_keep(self.n, self.rho)
+        self.counts = HT.keep_counts(self.shapes, self.k) if self.per_tensor else None
         self._cache: tuple | None = None
 
     def layout(self) -> dict[str, Any]:
         return {"loss": self.loss, "bias": self.bias}
 
     def threshold(self, theta: np.ndarray) -> np.ndarray:
-        return F.hard_threshold(np.asarray(theta, np.float32), self.k)
+        """H_k per tensor (``self.counts``), or over the whole vector when ``per_tensor`` is off."""
+        if self.counts is None:
+            return F.hard_threshold(np.asarray(theta, np.float32), self.k)
+        return HT.threshold(theta, self.shapes, self.counts)
 
     def initial(self, seed: int) -> np.ndarray:
         theta = F.flatten(M.init_weights(self.spec, seed), self.shapes)
@@ -73,7 +85,7 @@ class FedIterHT:
 
     def _plan(self, state: ServerState) -> DevicePlan:
         theta = state.weights["theta"]
-        idx = F.top_k(np.abs(theta), self.k)
+        idx = HT.support(theta, self.shapes, self.counts)
         return DevicePlan({"idx": idx, "theta": theta[idx]}, self.hparams(state).to_wire(), upload_spec("f4"),
                           self.spec, objective=self.objective, layout=self.layout(), returns=(),
                           extras={"idx": (self.k,), "theta": (self.k,)}, extra_dtypes={"idx": "i4"})
@@ -90,6 +102,8 @@ class FedIterHT:
         try:
             idx, vals = report.extras["idx"], report.extras["theta"]
             F.check_message(F.Message(idx, vals, vals, np.zeros(1, np.float32)), self.n, self.k)
+            if not np.array_equal(HT.counts_of(idx, self.shapes), self.counts):
+                raise ValueError("its indices are not the plan's count in each tensor")
         except (KeyError, ValueError) as e:
             raise ReportRejected(f"{self.name}: {e}") from None
         theta = np.zeros(self.n)
@@ -120,9 +134,11 @@ class FedIterHT:
 
 @dataclass
 class FedAvgPrune(FedIterHT):
-    """Dense FedAvg; the global model is the magnitude-pruned average (top-k |theta|)."""
+    """Dense FedAvg; the global model is the magnitude-pruned average (the k largest |theta| of the whole
+    vector: trained dense, the layers' scales are the data's, and this prune was measured as it is)."""
 
     name: str = "fedavg-prune"
+    per_tensor: ClassVar[bool] = False
 
     def init(self, seed: int) -> ServerState:
         return ServerState(0, {"theta": F.flatten(M.init_weights(self.spec, seed), self.shapes)})

@@ -28,6 +28,7 @@ from edge.algorithms.fedmix import layout as mixture_layout
 from edge.optim import Adam
 from edge.protocol.wire import Report
 
+from .. import buckets
 from .base import DevicePlan, ReportRejected, ServerState, received_weights, upload_spec
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -155,6 +156,7 @@ class FedMix:
                                     objective="mixture", layout=mixture_layout(w, self.variant, False, self.spec),
                                     returns=tuple(n for n in w if expert_of(n) is not None),
                                     extras=self.extras_shapes())
+            cache[key].padded = buckets.mixture(self.spec, cache[key].layout, self.K)  # issue #26
         return cache[key]
 
     # ---------------------------------------------------------------- aggregation

@@ -80,6 +80,9 @@ class FLoPSPA:
             if self.model not in ZOO_SPECS:
                 raise ValueError(f"model must be one of {sorted(ZOO_SPECS)}, not {self.model!r}")
             self.spec = ZOO_SPECS[self.model]()
+        if self.spec.get("arch") not in ("mlp", "cnn"):  # a person's module: the gates are laid out per layer
+            raise ValueError(f"{self.name} takes the zoo's MLP and CNN (model = mlp or cnn), not a "
+                             f"{self.spec.get('arch', 'module')!r} model brought as a file")
         if not 0 < self.rho <= 1 or not 0 < self.rho0 < 1:
             raise ValueError("rho must be in (0, 1] and rho0 in (0, 1)")
         self.shapes = F.gated_shapes(self.spec, self.bias)

@@ -5,9 +5,14 @@ float32 copies, and everything the server computes about them is computed at tho
 devices compute at.
 
 SFVI (Algorithm 1). Each round the server draws eps_G (edge/randn.py: the plan carries a seed, or eps_G itself
-with ``eps_on_wire``), the devices return g_j^theta and g_j^eta (a ``"gradient"`` plan), and the server steps
+with ``eps_on_wire``), the devices return g_j^theta / N_j and g_j^eta / N_j (a ``"gradient"`` plan; per sample,
+so the coordinator's norm bound, a median over the fleet, sees every silo on one scale and neither clips nor
+refuses a large one: docs/sfvi.md, "Admission"), and the server steps
 
-    g = (J / |S_t|) sum_{j in S_t} g_j  +  grad L_0,     L_0 = log p_theta(Z_G) - log q(Z_G)   (S4, S7)
+    g = (J / |S_t|) sum_{j in S_t} N_j (g_j / N_j)  +  grad L_0,   L_0 = log p_theta(Z_G) - log q(Z_G)   (S4, S7)
+
+N_j is the count the device declared at check-in (``observe_fleet``; a report must carry it, and the round
+machine's weight cap, which lowers a report's ``n_samples``, does not change it).
 
 with its own optimiser (Adam ascent by default). The sum, not the mean: with every device in, g is the
 full-data joint STL gradient, so the run does not depend on how the data are split (the paper's Remark); a
@@ -142,10 +147,15 @@ class SFVI:
             if t.shape != self.shapes[k] or not t.dense_rows:
                 raise ReportRejected(f"{k}: expected a dense {self.shapes[k]}")
 
+    def silo_size(self, report: Report) -> int:
+        """N_j: the sample count the device declared (the registry's), else the report's."""
+        return int(self._fleet.get(report.device_id) or report.n_samples)
+
     def accumulate(self, state: ServerState, acc: Accumulator, plan: DevicePlan, report: Report) -> None:
         self.check(plan, report)
+        n = float(self.silo_size(report))
         for k, t in report.tensors.items():
-            acc.sums[k] += t.dense().astype(np.float64)
+            acc.sums[k] += n * t.dense().astype(np.float64)  # the device sent g_j / N_j
         acc.count += 1
         acc.elbo += float(report.metrics.get("elbo", 0.0))
         acc.n[report.device_id] = int(report.n_samples)

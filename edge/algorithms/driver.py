@@ -12,6 +12,7 @@ from ..protocol import downlink
 from ..protocol.codec import VALUE_KINDS, value_nbytes
 from ..protocol.wire import Plan, Report, TensorUpdate
 from ..runtime.state import LocalState
+from ..trainers import padded
 from ..trainers.base import Trainer
 from ..trainers.module_state import ModuleTrainer, needs_wrapping
 from . import client_class
@@ -214,6 +215,8 @@ def run_plan(plan: Plan, trainer: Trainer, x: np.ndarray, y: np.ndarray, state: 
     plan = prepare(plan, state)
     if needs_wrapping(trainer):  # a module's dropout masks and BatchNorm statistics (trainers/module_state.py)
         trainer = ModuleTrainer(trainer, np.random.default_rng([plan.seed, DROPOUT_STREAM]))
+    elif padded.applies(trainer):  # a program that serves smaller networks: pads the plan's (trainers/padded.py)
+        trainer = padded.PaddedTrainer(trainer, plan.weights)
     algo = cls(Context(plan, hp, trainer, x, y, state))
     algo.begin()
     losses = [algo.step(idx) for idx in batches(len(x), hp.batch_size, hp.epochs, plan.seed)]

@@ -9,6 +9,9 @@ Two variational distributions (hparam ``variant``):
 - ``cluster``: q_pi(z|s), one distribution per device, re-estimated per mini-batch in closed form (Eq. 13,
   beta = 1) and damped, pi <- a pi + (1 - a) pi_new with a = 0.75 (App. B). pi is kept on the device.
 
+A device with no gate yet (a new phone, before its first round) predicts with the gate's x-independent
+stand-in, its q(z|s) (:func:`new_device_q`, docs/fedmix.md "A new device"), and trains from a uniform gate.
+
 The program holds the experts a device was sent as *slots* in sorted order of their ids; the gate's rows
 that an expert's last hidden units occupy (all of them here; FedMix x FedSparse prunes units) and the held
 experts' columns of A, b and phi are sliced in and their gradients scattered back here, in numpy.
@@ -243,20 +246,77 @@ class FedMixClient(ClientAlgorithm):
         return Update(weights, masks, extras, {"experts": len(keep)} | metrics)
 
 
+def new_device_q(plan_weights: dict[str, np.ndarray], variant: str, K: int, y: np.ndarray | None = None,
+                 expert_ll: np.ndarray | None = None) -> np.ndarray:
+    """q(z|s) of a device that has no gate yet, over the experts the plan holds (zero elsewhere, sums to 1):
+    the stand-in for p(z|s) = E_x[p_theta_s(z|x,s)] that the paper itself uses (Alg. 2, App. I).
+
+    - label variant: q_phi(z|s) = E_{y ~ D_s}[q_phi(z|y)] from the device's own labels ``y``; with none, the
+      global mixture sum_c p(y=c) q_phi(z|y=c) at a uniform p(y) (the server's own p(y), line 8);
+    - cluster variant: Eq. 13 (beta = 1) over the device's whole labelled data at its uniform first gate,
+      softmax_k(mean_i log p_wk(y_i|x_i)) (``expert_ll`` [N, held]); with no labels, uniform."""
+    held = _plan_experts(plan_weights)
+    q = np.zeros(K)
+    if variant == "label":
+        phi = np.asarray(plan_weights["phi"], np.float64)
+        q = label_marginal(phi, y) if y is not None and len(y) else softmax(phi, 1).mean(0)
+    elif expert_ll is not None and len(expert_ll):
+        q[held] = softmax(np.asarray(expert_ll, np.float64).mean(0))
+    else:
+        q[held] = 1.0
+    return restricted(q, held)
+
+
 def predict_proba(trainer: Trainer, plan_weights: dict[str, np.ndarray], state: LocalState, x: np.ndarray,
-                  *, state_name: str = STATE, extra_inputs=None) -> np.ndarray:
+                  *, state_name: str = STATE, extra_inputs=None, variant: str = "label",
+                  local: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """p(y|x,s) = sum_k p_theta(z=k|x,s) p_wk(y|x,z=k) (Sec. 3, inference for a known client): the experts the
     device kept (as the plan carried them), its private gate and its last q(z|s). ``trainer`` must hold the
-    mixture program of exactly those experts. Runs on the device."""
+    mixture program of exactly those experts (:func:`kept_layout`). Runs on the device.
+
+    A device with no gate yet uses its q(z|s) for p_theta(z|x,s): p(y|x,s) = sum_k q(z=k|s) p_wk(y|x,z=k) over
+    every expert the plan holds, q from :func:`new_device_q` with ``local`` = (x, y), its own training data
+    if it has any, and the plan's ``variant``."""
     st = state.load(state_name)
-    if st is None:
-        raise ValueError("this device has no FedMix state yet")
-    act = [k for k in range(st["active"].shape[0]) if st["active"][k]]
-    held = act
-    A = st["A"]
-    w, inputs = {}, {"x": x, "y": np.zeros(len(x), np.int64), "active": np.ones(len(held), np.float32),
-                     "qs": restricted(np.asarray(st["qs"], np.float64), act)[held].astype(np.float32)}
-    units = {k: np.asarray(plan_weights.get(f"e{k}.units", np.arange(A.shape[0])), np.int64) for k in held}
+    if st is not None:
+        act = [k for k in range(st["active"].shape[0]) if st["active"][k]]
+        qs = restricted(np.asarray(st["qs"], np.float64), act)
+        aux = _mixture_aux(trainer, plan_weights, act, st["A"], st["b"], qs, x, extra_inputs)
+        return (np.exp(aux["lg"].astype(np.float64))[:, :, None] * _expert_probs(aux)).sum(1)
+    held = _plan_experts(plan_weights)
+    K = int(np.asarray(plan_weights["phi"]).shape[1]) if "phi" in plan_weights else max(held) + 1
+    b = np.zeros(K, np.float32)
+    xl, yl = local if local is not None else (None, None)
+    ll = None
+    if variant == "cluster" and yl is not None and len(yl):  # Eq. 13 needs log p_wk(y_i|x_i): one pass
+        ll = _mixture_aux(trainer, plan_weights, held, None, b, restricted(np.ones(K), held), xl, extra_inputs,
+                          yl)["ll"]
+    q = new_device_q(plan_weights, variant, K, yl, ll)
+    aux = _mixture_aux(trainer, plan_weights, held, None, b, q, x, extra_inputs)
+    return (_expert_probs(aux) * q[held][None, :, None]).sum(1)
+
+
+def _plan_experts(plan_weights: dict[str, np.ndarray]) -> list[int]:
+    held = expert_ids(plan_weights)
+    if not held:
+        raise ValueError("a FedMix plan without experts")
+    return held
+
+
+def _expert_probs(aux: dict[str, np.ndarray]) -> np.ndarray:
+    """p_wk(y|x, z=k) for every slot, [B, k, C], from the program's logits."""
+    logits = aux["logits"].astype(np.float64)
+    probs = np.exp(logits - logits.max(2, keepdims=True))
+    return probs / probs.sum(2, keepdims=True)
+
+
+def _mixture_aux(trainer: Trainer, plan_weights: dict[str, np.ndarray], held: list[int], A: np.ndarray | None,
+                 b: np.ndarray, qs: np.ndarray, x: np.ndarray, extra_inputs=None,
+                 y: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The mixture program's aux outputs (``ll``, ``lg``, ``logits``) for the experts ``held`` (its slots, in
+    order), the gate (A, b) (A None: zero, no gate yet) and the q(z|s) weights ``qs`` (full K)."""
+    w, inputs = {}, {"x": x, "y": np.zeros(len(x), np.int64) if y is None else np.asarray(y, np.int64),
+                     "active": np.ones(len(held), np.float32), "qs": qs[held].astype(np.float32)}
     for j, k in enumerate(held):
         last = _last(plan_weights, k)
         for n, a in plan_weights.items():
@@ -265,28 +325,30 @@ def predict_proba(trainer: Trainer, plan_weights: dict[str, np.ndarray], state: 
                 w[f"s{j}.{rest}"] = a
                 if int(rest.split(".")[0][2:]) < last:  # the gate's features: copies of the hidden layers
                     inputs[f"c{j}_{rest.replace('.', '_')}"] = a
-        w[f"gate.A{j}"] = A[units[k]][:, held]
-    w["gate.b"] = st["b"][held]
+        if A is None:
+            rows = len(plan_weights[f"e{k}.units"]) if f"e{k}.units" in plan_weights else \
+                int(plan_weights[f"e{k}.fc{last}.weight"].shape[1])
+            w[f"gate.A{j}"] = np.zeros((rows, len(held)), np.float32)
+        else:
+            units = np.asarray(plan_weights.get(f"e{k}.units", np.arange(A.shape[0])), np.int64)
+            w[f"gate.A{j}"] = A[units][:, held]
+    w["gate.b"] = np.asarray(b, np.float32)[held]
     if "phi" in trainer.params:
         w["phi"] = np.asarray(plan_weights["phi"], np.float32)[:, held]
     if "pi" in [i.name for i in trainer.inputs]:
-        inputs["pi"] = restricted(np.asarray(st["qs"], np.float64), act)[held].astype(np.float32)
+        inputs["pi"] = qs[held].astype(np.float32)
     inputs |= (extra_inputs(held, x) if extra_inputs else {})
     trainer.set_weights(w)
-    _, _, aux = trainer.loss_and_grads(inputs)
-    logits = aux["logits"].astype(np.float64)  # [B, k, C]
-    probs = np.exp(logits - logits.max(2, keepdims=True))
-    probs /= probs.sum(2, keepdims=True)
-    return (np.exp(aux["lg"].astype(np.float64))[:, :, None] * probs).sum(1)
+    return trainer.loss_and_grads(inputs)[2]
 
 
 def kept_layout(plan_weights: dict[str, np.ndarray], state: LocalState, *, state_name: str = STATE,
-                variant: str = "label", gated: bool = False) -> dict[str, Any] | None:
+                variant: str = "label", gated: bool = False) -> dict[str, Any]:
     """The mixture program layout of the experts this device kept after its last round (what its
-    :func:`predict_proba` needs), or None if it has not trained yet."""
+    :func:`predict_proba` needs); for a device with no gate yet, of every expert the plan holds."""
     st = state.load(state_name)
     if st is None:
-        return None
+        return layout(plan_weights, variant, gated)
     act = [k for k in range(st["active"].shape[0]) if st["active"][k]]
     return layout({n: w for n, w in plan_weights.items() if expert_of(n) in act}, variant, gated)
 

@@ -10,8 +10,10 @@ regenerates it (``eps_seed``, ``eps_stream``). The device computes its ELBO term
 local term 1 / batches: the sum is the full-data term exactly, whatever batch_size bounds the memory), then
 
 - steps eta_Lj with the gradient (S6), computed at the same point as the one it sends (digest note c);
-- returns g_j^theta and g_j^eta (S8, S5), gradients of the ELBO (ascent), under the plan's names; the server
-  sums them (coordinator/strategies/sfvi.py).
+- returns g_j^theta and g_j^eta (S8, S5), gradients of the ELBO (ascent), under the plan's names, divided by
+  its sample count N_j: a per-sample gradient, on one scale for a silo of 10 and one of 2,000, so the
+  coordinator's norm bound (a median of the fleet's norms) neither clips nor refuses a large silo; the server
+  multiplies by N_j again and sums (coordinator/strategies/sfvi.py, docs/sfvi.md "Admission").
 
 SFVI-Avg(m) (Algorithm 2): m = epochs x batches local steps of SVI on (theta, eta_G, eta_Lj) with the
 likelihood rows weighted N / |B| and the local prior and entropy N / N_j (the coordinator broadcasts N), plus
@@ -164,7 +166,8 @@ class SFVIClient(ClientAlgorithm):
         else:
             sgd(self.loc, {k: -v for k, v in gl.items()}, self.hp.lr)
         save_local(self.ctx.state, self.ctx.trainer, self.loc, self.adam, self.salt)
-        out = {k: self.grads[k].astype(np.float32) for k in self.glob}
+        n = max(1, len(self.ctx.x))  # the server multiplies by the N_j this device declared (its data's size)
+        out = {k: (self.grads[k] / n).astype(np.float32) for k in self.glob}
         return Update(out, metrics={"elbo": float(self.elbo)})
 
 

@@ -29,11 +29,13 @@ _CAPS: dict[str, tuple[tuple[type, ...], Any, str]] = {
     # without tag/base, and dense uploads
     "sampled_upload": ((bool,), None, "true or false"),
     "coded_downlink": ((bool,), None, "true or false"),
+    # pads a plan into a larger program of the same objective (docs/protocol.md 14.2); without it, exact-shape programs
+    "padded_programs": ((bool,), None, "true or false"),
 }
 
 # What this package's device (edge/algorithms/driver.py, edge/protocol/downlink.py) implements: a Device
 # declares it in every check-in.
-EXTENSIONS: dict[str, bool] = {"sampled_upload": True, "coded_downlink": True}
+EXTENSIONS: dict[str, bool] = {"sampled_upload": True, "coded_downlink": True, "padded_programs": True}
 
 
 def parse_capabilities(caps: dict[str, Any]) -> dict[str, Any]:

@@ -1172,7 +1172,7 @@ class Reassembler:
         return slow
 
     def drop_sender(self, sender: str) -> None:
-        """Forget every open transfer of ``sender`` (its round closed, or it went offline)."""
+        """Forget every open transfer of ``sender`` (it went offline, or its plan ended otherwise)."""
         for k in [k for k in self._open if k[0] == sender]:
             self._end(k)
 

@@ -276,7 +276,9 @@ class MqttLink:
                     self._unreachable(e, delay)
                     self._stop.wait(delay)
                     continue
-            rc = self.client.loop(timeout=0.05)
+            # select() waits at most a tick (messages, and call_soon's wake-up byte, end it at once): 50 device
+            # links in two processes polling every 50 ms took the GIL from their training thread 1,000 times a second
+            rc = self.client.loop(timeout=min(0.2, max(0.05, self.tick_s)))
             if rc == mqtt.MQTT_ERR_SUCCESS:
                 rc = self._drain()
             if rc != mqtt.MQTT_ERR_SUCCESS and not self._stop.is_set():

@@ -103,9 +103,13 @@ def program_meta(obj: Any) -> dict[str, Any]:
     """What every exported program carries about its objective (read from an Objective without importing
     torch here): its name, spec, layout, parameter names and shapes, inputs and outputs."""
     params = obj.params()
-    return {"objective": obj.name, "model": obj.spec, "layout": obj.layout, "params": list(params),
+    meta = {"objective": obj.name, "model": obj.spec, "layout": obj.layout, "params": list(params),
             "shapes": {k: list(p.shape) for k, p in params.items()},
             "inputs": [i.to_json() for i in obj.inputs()], "outputs": obj.outputs()}
+    padding = obj.padding() if hasattr(obj, "padding") else None
+    if padding is not None:  # the program also serves smaller networks (edge/trainers/padded.py)
+        meta["padding"] = padding
+    return meta
 
 
 def example_feeds(inputs: list[Input], n: int) -> dict[str, np.ndarray]:

@@ -117,6 +117,7 @@ class ExecuTorchTrainer:
         # says; under load those spinning threads stalled steps 100x (0.1 ms -> 10 ms).
         self._np = {n: p.numpy() for n, p in self._p.items()}
         self._shapes = {n: tuple(p.shape) for n, p in self._p.items()}
+        self.shapes, self.padding = dict(self._shapes), meta.get("padding")
         log.debug("loaded ExecuTorch %s program (%s batch %d..%d, xnnpack=%s)", self.objective_name, meta["batch"],
                   self._min, self._max, meta.get("xnnpack"))
 

@@ -142,6 +142,7 @@ class OrtTrainer:
         self.outputs = list(body["outputs"])
         self._state, self._mod, self._opt = state, mod, opt
         self._shapes = {n: tuple(state.parameters[n].data.shape) for n in self.params}
+        self.shapes, self.padding = dict(self._shapes), body.get("padding")
         self._lr: float | None = None
         mod.train()
         log.debug("loaded ORT %s program (%d params)", self.objective_name, len(self.params))

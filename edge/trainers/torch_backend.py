@@ -36,6 +36,8 @@ class TorchTrainer:
         self.params = list(self._p)
         self.inputs = self.obj.inputs()
         self.outputs = self.obj.outputs()
+        self.shapes = {n: tuple(p.shape) for n, p in self._p.items()}
+        self.padding = self.obj.padding()
 
     def _need(self) -> None:
         if self.obj is None:

@@ -157,6 +157,21 @@ class Mixture(Objective):
             names += [f"fc{i}.v" for i in range(len(s) - 2)]
         return names
 
+    def padding(self):
+        """A program of more slots, or of wider slots, serves fewer experts, or narrower ones (zoo MLPs): a padded
+        slot has zero weights and ``active`` 0, so the -1e4 mask gives it probability exactly 0 in both softmaxes
+        (no loss, no gradient, no penalty), and its gate column and ``qs`` are 0; padded units of a slot are zero
+        rows and columns (gated: noise 0.5 and a norm and server logit of -1e4, z = pi = 0, as in fedsparse.py).
+        The auxiliary outputs are cut to the fed slots."""
+        if self.user is not None:
+            return None
+        pads: dict[str, float] = {}
+        if self.gated:
+            for j, s in enumerate(self.slots):
+                for i in range(len(s) - 2):
+                    pads |= {f"u{j}_{i}": 0.5, f"theta_logit{j}_{i}": -1e4, f"norm{j}_{i}": -1e4}
+        return {"inputs": pads, "aux": {a: [[1, "active"]] for a in self.aux}}
+
     def inputs(self):
         if self.user is not None:
             return self._module_inputs()

@@ -73,6 +73,18 @@ class Objective(nn.Module):
     def outputs(self) -> list[str]:
         return ["loss", *self.aux]
 
+    def padding(self) -> dict[str, Any] | None:
+        """How this program serves a smaller network of the same objective (edge/trainers/padded.py), or None
+        when it cannot. A device feeds the smaller network's weights and inputs; every parameter and input is
+        zero-padded at the end of each axis up to the program's shape (a parameter it does not feed is all
+        zeros), except the inputs named in ``"inputs"``, padded with the value given; gradients come back
+        sliced to the fed shapes, and each auxiliary output named in ``"aux"`` is cut, along each
+        ``[axis, input]`` pair, to the fed length of that input's first axis. An objective returns a padding
+        only if, so padded, its loss and the gradients of the fed entries are exactly those of the smaller
+        network (padded units output nothing, pass no gradient and add no penalty): tests/test_padded.py
+        holds each to that."""
+        return None
+
     def example(self, batch: int = 4) -> tuple[torch.Tensor, ...]:
         """Inputs of the right shapes for tracing (values chosen so every op is defined)."""
         out = []
