@@ -32,7 +32,7 @@ def cmd_device(a: argparse.Namespace) -> int:
     [capabilities]), each overridable on the command line."""
     import threading
     from .protocol import wire
-    from .protocol.capabilities import BadCapabilities, parse_capabilities
+    from .protocol.capabilities import KNOWN_CAPABILITIES, BadCapabilities, parse_capabilities
     from .runtime.device import device_from_files
     from .runtime.mqtt import BrokerAddress
 
@@ -51,6 +51,9 @@ def cmd_device(a: argparse.Namespace) -> int:
     if not wire.ID_RE.match(fleet):
         raise ConfigError(f"fleet {fleet!r}: use 1-128 of A-Z a-z 0-9 _ . : - (it becomes a topic level)")
     caps = dict(conf.get("capabilities", {})) | ({"runtime": a.runtime} if a.runtime else {})
+    for k in caps:  # a person's file: a typo (netwrok) would otherwise leave the permissive default in force
+        if k not in KNOWN_CAPABILITIES:
+            raise unknown(k, list(KNOWN_CAPABILITIES), f"{a.config} [capabilities]")
     try:
         parse_capabilities(caps)
     except BadCapabilities as e:

@@ -71,6 +71,10 @@ def test_simulate_and_device_commands_check_their_arguments(tmp_path, capsys):
     cfg.write_text("[device]\nid = 'd1'\ndata = 'x.npz'\n[capabilities]\nbattery = 'full'\n")
     assert main(["device", "--config", str(cfg)]) == 2
     assert "capability battery = 'full'" in capsys.readouterr().err
+    cfg.write_text("[device]\nid = 'd1'\ndata = 'x.npz'\n[capabilities]\nnetwrok = 'wifi'\n")
+    assert main(["device", "--config", str(cfg)]) == 2  # a typo left the permissive default (wifi) in force
+    err = capsys.readouterr().err
+    assert "unknown key 'netwrok'" in err and "did you mean 'network'?" in err and err.count("\n") == 1
 
 
 def test_valid_config_loads_and_only_the_run_defining_part_is_fixed(tmp_path):

@@ -33,6 +33,9 @@ _CAPS: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "padded_programs": ((bool,), None, "true or false"),
 }
 
+# the capabilities a device's configuration file may set (the wire keeps unknown ones, for newer devices)
+KNOWN_CAPABILITIES = tuple(_CAPS)
+
 # What this package's device (edge/algorithms/driver.py, edge/protocol/downlink.py) implements: a Device
 # declares it in every check-in.
 EXTENSIONS: dict[str, bool] = {"sampled_upload": True, "coded_downlink": True, "padded_programs": True}
