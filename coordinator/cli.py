@@ -18,7 +18,14 @@ log = logging.getLogger("fedge")
 
 
 def cmd_broker(a: argparse.Namespace) -> int:
+    import socket
     from .broker import serve
+    try:  # a busy port is a person's mistake: one line, not amqtt's traceback
+        with socket.create_server((a.host, a.port)):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--host {a.host} --port {a.port}: cannot listen there ({e.strerror or e}); another "
+                          "broker may be running: use it, or give another --port") from None
     serve(a.host, a.port)
     return 0
 
@@ -515,7 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
 
+    for p in sub.choices.values():  # -v after the subcommand too (fedge coordinator -v), as people type it
+        p.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after",
+                       help="more log lines: -v info, -vv debug")
     a = ap.parse_args(argv)
+    a.verbose += a.verbose_after
     logging.basicConfig(level=logging.WARNING - 10 * a.verbose,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for h in logging.getLogger().handlers:

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="count", default=0)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_parser(sub)
+    sub.choices["device"].add_argument("-v", "--verbose", action="count", default=0,
+                                       help="more log lines: -v info, -vv debug")
     a = ap.parse_args(["device", *(argv if argv is not None else sys.argv[1:])])
     logging.basicConfig(level=logging.WARNING - 10 * a.verbose, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -56,6 +56,17 @@ def test_the_coordinator_command_prints_one_line_and_exits_2(tmp_path, capsys):
     assert err.startswith("fedge coordinator: [rounds] clients_per_round = 0")
     assert main(["coordinator", "--config", str(tmp_path / "missing.toml")]) == 2
     assert "missing.toml: no such file" in capsys.readouterr().err
+    assert main(["coordinator", "-v", "--config", str(tmp_path / "missing.toml")]) == 2  # -v after the subcommand
+    assert "missing.toml: no such file" in capsys.readouterr().err
+
+
+def test_broker_on_a_busy_port_is_one_line(capsys):
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["broker", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedge broker: --host 127.0.0.1 --port {port}: cannot listen there") and err.count("\n") == 1
 
 
 def test_simulate_and_device_commands_check_their_arguments(tmp_path, capsys):
