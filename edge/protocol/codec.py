@@ -32,7 +32,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from .wire import MAX_ELEMENTS, WireError
+from .errors import MAX_ELEMENTS, WireError
 
 log = logging.getLogger(__name__)
 

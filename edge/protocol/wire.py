@@ -17,6 +17,9 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
+from . import codec
+from .errors import MAX_ELEMENTS, WireError  # noqa: F401 (wire.WireError, wire.MAX_ELEMENTS: the names callers use)
+
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 4096
@@ -25,7 +28,6 @@ MAX_NDIM = 8
 # byte size from its non-zero dimensions even when another is 0, so [0, 2^31-1, 2^31-1] would make
 # reshape raise ValueError instead of the wire refusing it. 2^40 elements is far beyond any model a
 # device trains and keeps that product times 8 bytes well inside int64.
-MAX_ELEMENTS = 2**40
 MAX_STR = 256
 # Ids end up in topic names: no '/', '+', '#' or whitespace.
 ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}\Z")  # \Z, not $: "$" also matches before a final newline
@@ -41,23 +43,12 @@ CODED_VALUES = ("bf16", "q8", "q8r")
 _MASK_FIELD = {"bitmask": "m", "index16": "i", "index32": "i", "golomb": "g", "enum": "e"}
 
 
-class WireError(ValueError):
-    """A message that must be dropped; the text says why."""
-
-
 class TooLarge(WireError):
     """A message (or chunked transfer) larger than the receiver allows from this sender."""
 
 
 class Busy(WireError):
     """The receiver holds as many incomplete transfers as it allows (from this sender, or in all)."""
-
-
-def _codec():
-    """edge/protocol/codec.py (masks and value formats), imported when first used: it imports WireError
-    from here."""
-    from . import codec
-    return codec
 
 
 # ---------------------------------------------------------------- arrays
@@ -75,7 +66,7 @@ def pack_values(a: np.ndarray, code: str, *, rng: np.random.Generator | None = N
     """An array record in a value format of edge/protocol/codec.py (f4, f2, bf16, q8, q8r); ``rng`` supplies the
     stochastic rounding noise. ``unpack_array`` reads it back (bf16, q8 and q8r as float32)."""
     a = np.asarray(a)
-    return {"d": code, "s": list(a.shape), "b": _codec().encode_values(a, code, rng=rng, rounding=rounding)}
+    return {"d": code, "s": list(a.shape), "b": codec.encode_values(a, code, rng=rng, rounding=rounding)}
 
 
 class Coded:
@@ -134,7 +125,7 @@ def unpack_array(obj: Any, what: str, *, finite: bool = True) -> np.ndarray:
         raise WireError(f"{what}: array data is not bytes")
     if code in CODED_VALUES:  # the codec checks the length against the shape before allocating
         try:
-            return _codec().decode_values(buf, code, tuple(shape))
+            return codec.decode_values(buf, code, tuple(shape))
         except WireError as e:
             raise WireError(f"{what}: {e}") from None
     dt = _LE[code]
@@ -372,7 +363,6 @@ def _put_mask(rec: dict, code: Any) -> None:
 def pack_update(t: TensorUpdate) -> dict:
     """The update record. A sampled update adds ``h``: ``{"k": active rows, "p": one uint8 probability code
     per row of values, and the sample as a mask over the active rows in one of the mask fields}``."""
-    codec = _codec()
     rec: dict[str, Any] = {"s": list(t.shape), "x": t._coded or pack_array(t.values)}
     rows = np.shape(t.values)[0] if np.ndim(t.values) >= 1 else -1
     if t.sampled:
@@ -519,7 +509,7 @@ def _unpack_sample(t: TensorUpdate, h: dict, k_active: int, what: str) -> None:
     elif "w" in h:
         raise WireError(f"{what}: index width without an index list")
     try:
-        sup = _codec().decode_mask(kind, data, k_active, k)
+        sup = codec.decode_mask(kind, data, k_active, k)
     except WireError as e:
         raise WireError(f"{what}: sample: {e}") from None
     t._sample, t.pcodes = sup, codes.copy()
@@ -541,7 +531,7 @@ def _unpack_coded_mask(obj: dict, shape: tuple[int, ...], values: np.ndarray, wh
     # decode_mask keeps min(k, n - k) rows, at most 8 bytes' worth of bits or 64: a declared k costs nothing more
     k = values.shape[0] if k_active is None else k_active
     try:
-        sup = _codec().decode_mask("golomb" if key == "g" else "enum", data, shape[0], k)
+        sup = codec.decode_mask("golomb" if key == "g" else "enum", data, shape[0], k)
     except WireError as e:
         raise WireError(f"{what}: {e}") from None
     if sup.inactive:
