@@ -147,11 +147,13 @@ def cmd_coordinator(a: argparse.Namespace) -> int:
     coord.start()
     said_connected = False
     try:
-        while not coord.wait(0.5):
+        while True:  # checked before each wait: a short run can connect and finish within one wait
             if not said_connected and coord.link.connected.is_set():
                 said_connected = True
                 _say(f"connected to the broker at {fc.broker.url()}; waiting for devices"
                      if coord.machine.open is None else f"connected to the broker at {fc.broker.url()}")
+            if coord.wait(0.05 if not said_connected else 0.5):
+                break
     except KeyboardInterrupt:
         why = "interrupted"
     finally:
