@@ -121,12 +121,13 @@ def step_ms(native_cli: Path, work: Path, steps: int = 60) -> dict[str, dict[str
     from edge.protocol.wire import Plan
     from edge.trainers import make_trainer
     from export.build import build_program
+    from export.store import cached_program
 
     torch.set_num_threads(1)
     res: dict[str, dict[str, float]] = {}
     for name, sizes in MODELS.items():
         spec = mlp(sizes)
-        prog = build_program(spec, "executorch", cache_dir=ROOT / "runs" / "programs")
+        prog = cached_program(spec, "executorch", ROOT / "runs" / "programs")
         tprog = build_program(spec, "torch")
         w = {k: np.asarray(v, np.float32) for k, v in init_weights(spec, 0).items()}
         rng = np.random.default_rng(0)

@@ -45,6 +45,11 @@ coordinator's come from its observer hook, coordinator/observe.py, and from time
 Stages sum to the round, each round. ``stages`` holds their medians over rounds (the median round's split is
 ``stages_of_median_round``) and ``stages_mean`` their means. Work off the critical path (reports decoded while
 other devices still train) shows in ``coordinator_busy_s`` but not in the stages.
+
+**CPU per round** (``cpu_s_per_round``): the CPU seconds the coordinator's process, the broker and the device
+processes used over the rounds, divided by the rounds, and ``cores_busy``, their sum over the rounds' wall time.
+It says how close to the machine's limit a round is: on 2 cores a round cannot take less wall time than half
+its CPU, whatever the overlap, while the floor spends about its round time on one core.
 """
 from __future__ import annotations
 
@@ -345,6 +350,22 @@ def critical_paths(tl: Timeline, dev_events: list[tuple]) -> list[dict[str, Any]
     return rows
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this process (the coordinator and the benchmark's timers), by
+    the broker and by the device processes: the CPU a round costs, beside the time it takes."""
+    import psutil
+    me = psutil.Process()
+    out = {"coordinator": 0.0, "broker": 0.0, "devices": 0.0}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            role = "coordinator" if p.pid == me.pid else "broker" if p.name() == "mosquitto" else "devices"
+            out[role] += t.user + t.system
+        except psutil.Error:  # a process that ended between the listing and the read
+            pass
+    return out
+
+
 def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
     from coordinator.broker import start_broker
     from coordinator.report import run_report
@@ -365,8 +386,10 @@ def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
         if not coord.link.connected.wait(30):
             raise TimeoutError(f"coordinator could not connect to {broker.url}")
         fleet = DeviceFleet(specs, broker.url, cfg.processes, worker=timed_worker, worker_args=(str(ev_dir),))
+        cpu0, w0 = cpu_seconds(), time.time()  # the devices have started, warmed up and checked in
         if not coord.wait(max(600.0, 30.0 * cfg.rounds)):
             raise TimeoutError(f"fleet run did not finish; {len(tl.commit_log)} of {cfg.rounds} rounds committed")
+        cpu1, w1 = cpu_seconds(), time.time()
         if coord.error:
             raise RuntimeError("coordinator failed") from coord.error
     finally:
@@ -381,7 +404,9 @@ def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
     summaries = [s for _, s in tl.commit_log]
     rep = run_report(strategy=cfg.strategy, runtime="torch", devices=cfg.devices, clients_per_round=cfg.clients_per_round,
                      rounds=summaries, wall_s=wall, seed=cfg.seed)
-    return {"rows": rows, "summaries": summaries, "report": rep, "wall_s": wall, "timeline": tl, "events": events}
+    cpu = {k: (cpu1[k] - cpu0[k]) / max(1, len(summaries)) for k in cpu0}
+    return {"rows": rows, "summaries": summaries, "report": rep, "wall_s": wall, "timeline": tl, "events": events,
+            "cpu_s_per_round": cpu, "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
 
 
 def summarise(fedge: dict, floors: list[dict], cfg) -> dict[str, Any]:
@@ -412,6 +437,9 @@ def summarise(fedge: dict, floors: list[dict], cfg) -> dict[str, Any]:
                             "attempts": r["attempts"], "stages": r["stages"]} for r in slow],
         "export_s": sum(s.get("export_s", 0.0) for s in fedge["summaries"]),
         "coordinator_busy_s_median": statistics.median([r["coordinator_busy_s"] for r in rows]),
+        # CPU a round costs, by process (mean over the run): the floor spends about its round time on one core
+        "cpu_s_per_round": fedge["cpu_s_per_round"],
+        "cores_busy": fedge["cores_busy"],
         "unaccounted_s_max": max(abs(r["unaccounted_s"]) for r in rows),
         "run_report_wall_s_median": statistics.median([s["wall_s"] for s in fedge["summaries"]]),
         "fedge_wall_s": fedge["wall_s"],
@@ -439,6 +467,10 @@ def table(res: dict) -> str:
                      f"{1e3 * res['stages_of_median_round'][k]:>17.1f}")
     lines.append(f"{'sum':<14}{1e3 * sum(res['stages'].values()):>10.1f}{1e3 * sum(res['stages_mean'].values()):>10.1f}"
                  f"{1e3 * sum(res['stages_of_median_round'][k] for k in STAGES):>17.1f}")
+    cpu = res["cpu_s_per_round"]
+    lines.append(f"CPU per round: {1e3 * sum(cpu.values()):.0f} ms (" + ", ".join(
+        f"{k} {1e3 * v:.0f}" for k, v in cpu.items()) + f"), {res['cores_busy']:.2f} of {res['cpus']} cores busy; "
+        f"the floor: about {1e3 * res['floor_median_round_s']:.0f} ms on one core")
     lines.append("slowest rounds: " + "; ".join(
         f"{r['round']}: {1e3 * r['round_s']:.0f} ms ({max(STAGES, key=lambda k: r['stages'][k])} "
         f"{1e3 * max(r['stages'].values()):.0f} ms)" for r in res["slowest_rounds"]))

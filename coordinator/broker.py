@@ -86,22 +86,28 @@ class Mosquitto(_Child):
     """A private Mosquitto on a free loopback port, with limits set explicitly (not the defaults)."""
 
     def __init__(self, port: int | None = None, *, max_packet_mb: int = 64, max_queued: int = 10000,
-                 auth: dict[str, Path] | None = None, tls: dict[str, Path] | None = None):
+                 auth: dict[str, Path] | None = None, tls: dict[str, Path] | None = None,
+                 websockets: int | None = None, host: str = "127.0.0.1"):
         """``auth``: paths from :func:`coordinator.credentials.write_mosquitto_auth` (per-device ACLs, and its
         ``broker.conf``: client ids are user names).
-        ``tls``: paths from :func:`coordinator.tls.make_broker_certs`; the listener then speaks only TLS."""
+        ``tls``: paths from :func:`coordinator.tls.make_broker_certs`; the listener then speaks only TLS.
+        ``websockets``: also a listener for MQTT over WebSockets on that port (0: a free one), for devices in a web
+        page (docs/browser.md); with ``tls`` it speaks wss://. ``host``: the address both listeners bind."""
         exe = mosquitto_binary()
         if exe is None:
             raise RuntimeError("mosquitto is not installed (apt-get install mosquitto)")
         self.port = port or free_port()
+        self.ws_port = (websockets or free_port()) if websockets is not None else None
         self.dir = tempfile.mkdtemp(prefix="fedge-mosq-")
         conf = Path(self.dir) / "mosquitto.conf"
+        certs = (f"cafile {tls['ca.pem']}\ncertfile {tls['broker.pem']}\nkeyfile {tls['broker.key']}\n"
+                 "tls_version tlsv1.2\n" if tls else "")
         conf.write_text(
             # The private broker runs as whoever started it (as root, Mosquitto would switch to its own
-            # user, which cannot read the test's files).
-            f"listener {self.port} 127.0.0.1\npersistence false\nuser {getpass.getuser()}\n"
-            + (f"cafile {tls['ca.pem']}\ncertfile {tls['broker.pem']}\nkeyfile {tls['broker.key']}\n"
-               "tls_version tlsv1.2\n" if tls else "")
+            # user, which cannot read the test's files). Listener options (TLS) follow their listener line.
+            f"per_listener_settings false\nlistener {self.port} {host}\n{certs}"
+            + (f"listener {self.ws_port} {host}\nprotocol websockets\n{certs}" if self.ws_port else "")
+            + f"persistence false\nuser {getpass.getuser()}\n"
             + ((Path(auth["conf"]).read_text() if "conf" in auth else
                 f"allow_anonymous false\npassword_file {auth['passwd']}\nacl_file {auth['acl']}\n") if auth
                else "allow_anonymous true\n") +
@@ -111,6 +117,27 @@ class Mosquitto(_Child):
         self.tls = bool(tls)
         self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_for_port(self.port, proc=self.proc)
+        if self.ws_port:
+            wait_for_port(self.ws_port, proc=self.proc)
+
+    @property
+    def ws_url(self) -> str | None:
+        """ws:// (or wss://) URL of the WebSockets listener, if there is one."""
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.ws_port}" if self.ws_port else None
+
+
+def serve_mosquitto(host: str, port: int, websockets: int) -> None:
+    """``fedge broker --websockets PORT``: a Mosquitto in the foreground with MQTT on ``port`` and MQTT over
+    WebSockets on ``websockets`` (for devices in a web page, docs/browser.md), until interrupted."""
+    b = Mosquitto(port, websockets=websockets, host=host)
+    print(f"mosquitto on {host}: mqtt:// port {b.port}, ws:// port {b.ws_port} (config {b.dir}/mosquitto.conf); "
+          "Ctrl-C stops it", flush=True)
+    try:
+        b.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        b.stop()
 
 
 def start_broker(kind: str = "embedded", port: int | None = None) -> _Child:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -19,13 +20,19 @@ log = logging.getLogger("fedge")
 
 def cmd_broker(a: argparse.Namespace) -> int:
     import socket
-    from .broker import serve
-    try:  # a busy port is a person's mistake: one line, not amqtt's traceback
-        with socket.create_server((a.host, a.port)):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--host {a.host} --port {a.port}: cannot listen there ({e.strerror or e}); another "
-                          "broker may be running: use it, or give another --port") from None
+    from .broker import mosquitto_binary, serve, serve_mosquitto
+    for flag, port in (("--port", a.port), *([("--websockets", a.websockets)] if a.websockets else [])):
+        try:  # a busy port is a person's mistake: one line, not amqtt's traceback
+            with socket.create_server((a.host, port)):
+                pass
+        except OSError as e:
+            raise ConfigError(f"--host {a.host} {flag} {port}: cannot listen there ({e.strerror or e}); another "
+                              "broker may be running: use it, or give another port") from None
+    if a.websockets is not None:
+        if mosquitto_binary() is None:
+            raise ConfigError("--websockets runs Mosquitto, which is not installed (apt-get install mosquitto)")
+        serve_mosquitto(a.host, a.port, a.websockets)
+        return 0
     serve(a.host, a.port)
     return 0
 
@@ -66,6 +73,17 @@ class _DiskFullOneLine(logging.Filter):
             record.msg, record.args = f"{record.getMessage()}: the disk is full ({e})", None
             record.exc_info = record.exc_text = None
         return True
+
+
+def _port(text: str) -> int:
+    """A TCP port on the command line: 1 to 65535 (argparse says so in one line)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port}: a port is 1 to 65535")
+    return port
 
 
 def _writable(path: str | None, flag: str) -> None:
@@ -320,6 +338,8 @@ def check_model_for(strategy: str, spec: dict, runtimes: tuple[str, ...]) -> Non
 def cmd_credentials(a: argparse.Namespace) -> int:
     """Mosquitto password and ACL files: each device confined to its own topics."""
     from .credentials import write_mosquitto_auth
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        raise ConfigError(f"--out {a.out}: is a file; give a directory for the password, ACL and certificate files")
     ids = [d.strip() for d in a.devices.split(",") if d.strip()]
     paths = write_mosquitto_auth(a.out, a.fleet, ids, coordinator_user=a.coordinator_user,
                                  ingest_workers=a.ingest_workers)
@@ -335,6 +355,21 @@ def cmd_credentials(a: argparse.Namespace) -> int:
         print(f"wrote {certs['broker.pem']} and {certs['broker.key']} (certfile / keyfile), signed by "
               f"{certs['ca.pem']} (cafile; give it to every device as ca_file; keep {certs['ca.key']} elsewhere)")
     return 0
+
+
+def _export_toolchain(runtimes: tuple[str, ...], flag: str) -> None:
+    """Devices on exported programs need the export toolchain here (`make demo`'s venv has torch only)."""
+    import importlib
+    from edge.quiet import quiet
+    need = {"ort": ("onnx", "onnxruntime"), "executorch": ("executorch",), "native": ("executorch",)}
+    for rt in runtimes:
+        for mod in need.get(rt, ()):
+            try:
+                with quiet():
+                    importlib.import_module(mod)
+            except ImportError as e:
+                raise ConfigError(f"{flag} {rt}: the export toolchain is not installed ({e}); `make install` (or "
+                                  "pip install 'fedge[export]') installs it") from None
 
 
 def _interrupt(*_) -> None:
@@ -371,13 +406,20 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         if not a.broker.startswith("mqtt://"):
             raise ConfigError(f"--broker = {a.broker!r}: must be embedded, mosquitto or mqtt://host:port")
         try:
-            BrokerAddress.parse(a.broker)
+            addr = BrokerAddress.parse(a.broker)
         except ValueError as e:
             raise ConfigError(f"--broker: {e}") from None
+        import socket
+        try:  # nothing there is a person's mistake: say so now, not in a traceback after the connect timeout
+            socket.create_connection((addr.host, addr.port), timeout=5).close()
+        except OSError as e:
+            raise ConfigError(f"--broker {a.broker}: no broker answers there ({e.strerror or e}); start one "
+                              "(fedge broker, mosquitto), or leave --broker out for the embedded one") from None
     runtimes = tuple(r.strip() for r in a.runtimes.split(",") if r.strip())
     bad = [r for r in runtimes if r not in (*RUNTIMES, NATIVE)]
     if bad or not runtimes:
         raise ConfigError(f"--runtimes = {a.runtimes!r}: each must be one of {', '.join((*RUNTIMES, NATIVE))}")
+    _export_toolchain(runtimes, "--runtimes")
     if NATIVE in runtimes and not Path(a.native_binary or NATIVE_BINARY).is_file():
         raise ConfigError(f"--runtimes {NATIVE}: no native device at {a.native_binary or NATIVE_BINARY} "
                           "(build it: bash scripts/build_native.sh)")
@@ -408,34 +450,42 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         return 130
     rep.pop("_state", None)
     dens = any("density" in r for r in rep["rounds"])
-    print(f"{'round':>5} {'accuracy':>8} {'MB down':>8} {'MB up':>8} {'reports':>7} {'dropped':>7} {'s':>6}"
+    print(f"{'round':>5} {'accuracy':>8} {'MB down':>8} {'MB up':>8} {'reports':>7} {'unused':>7} {'s':>6}"
           f" {'export s':>8}" + (f" {'density':>7}" if dens else ""))
     for r in rep["rounds"]:
         print(f"{r['round']:>5} {r['accuracy']:>8.4f} {r['bytes_down'] / 1e6:>8.3f} {r['bytes_up'] / 1e6:>8.3f} "
               f"{r['reports']:>7} {r['dropped']:>7} {r['wall_s']:>6.2f} {r.get('export_s') or 0.0:>8.2f}"
               + (f" {r.get('density', 1.0):>7.3f}" if dens else ""))
+    if any(r["dropped"] for r in rep["rounds"]):  # (the report's "dropped"): not failures, mostly
+        print(f"unused: selected devices whose reports the round did not need (--over-selection {a.over_selection:g} "
+              f"selects {math.ceil(a.clients_per_round * a.over_selection)} for {a.clients_per_round} reports) or "
+              "that did not report in time")
     print(f"final accuracy {rep['final_accuracy']:.4f}, total {rep['total_bytes'] / 1e6:.1f} MB, "
           f"{rep['wall_s']:.1f} s" + (f"; report in {a.out}" if a.out else "") + (f", plot in {a.plot}" if a.plot else ""))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedge", description=__doc__)
-    ap.add_argument("-v", "--verbose", action="count", default=0)
+def parser() -> argparse.ArgumentParser:
+    """The ``fedge`` command line, every subcommand registered (the tests walk it)."""
+    from edge.cli import Parser, describe_subcommands
+    ap = Parser(prog="fedge", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="more log lines: -v info, -vv debug")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("broker", help="run the embedded MQTT broker (amqtt; MQTT 3.1.1, for development)")
-    b.add_argument("--host", default="127.0.0.1")
-    b.add_argument("--port", type=int, default=1883)
+    b.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    b.add_argument("--port", type=_port, default=1883, help="TCP port to listen on")
+    b.add_argument("--websockets", type=_port, metavar="PORT", help="run Mosquitto instead, with MQTT over "
+                   "WebSockets on PORT too (web-page devices, docs/browser.md)")
     b.set_defaults(fn=cmd_broker)
 
     v = sub.add_parser("devices", help="list the fleet from a coordinator's state: online, busy, rejected, "
                                        "quarantined")
-    v.add_argument("--state", default="runs/coordinator/state.sqlite")
+    v.add_argument("--state", default="runs/coordinator/state.sqlite", help="the coordinator's SQLite state file")
     v.set_defaults(fn=cmd_devices)
 
     c = sub.add_parser("coordinator", help="run the coordinator daemon")
-    c.add_argument("--config", help="fleet.toml")
+    c.add_argument("--config", help="fleet.toml (default: every setting at its default, README's example)")
     c.add_argument("--broker", help="mqtt://host:port (overrides the config)")
     c.add_argument("--state", help="SQLite state file (overrides the config)")
     c.add_argument("--metrics-port", type=int, metavar="PORT",
@@ -467,18 +517,21 @@ def main(argv: list[str] | None = None) -> int:
     add_fleetsim(sub)
 
     k = sub.add_parser("credentials", help="per-device Mosquitto password + ACL files")
-    k.add_argument("--fleet", default="default")
+    k.add_argument("--fleet", default="default", help="the fleet name the ACL's topics are under")
     k.add_argument("--devices", required=True, help="comma-separated device ids (each becomes a username)")
-    k.add_argument("--coordinator-user", default="coordinator")
+    k.add_argument("--coordinator-user", default="coordinator", help="the coordinator's MQTT username")
     k.add_argument("--ingest-workers", type=int, default=0, metavar="N",
                    help="also N read-only users <coordinator-user>-ingest-<i> for `fedge ingest` workers")
-    k.add_argument("--out", default="runs/auth")
+    k.add_argument("--out", default="runs/auth", help="directory for passwd, acl, mosquitto.conf lines and the "
+                                                     "clear-text credentials")
     k.add_argument("--tls-host", action="append", default=[], metavar="HOST",
                    help="also write a CA and a broker certificate for mqtts:// valid for HOST (repeatable)")
     k.set_defaults(fn=cmd_credentials)
 
     s = sub.add_parser("simulate", help="a coordinator plus N device agents over MQTT")
-    s.add_argument("--strategy", default="fedavg")
+    from .strategies import REGISTRY as strategies
+    s.add_argument("--strategy", default="fedavg", choices=sorted(strategies), metavar="NAME",
+                   help=f"the algorithm: one of {', '.join(sorted(strategies))} (README, \"Strategies\")")
     s.add_argument("--data", help="FILE.npz (x, y; x_test, y_test or --test-frac) split by --partition, or DIR/ "
                                   "of <device id>.npz + test.npz (default: sklearn's digits)")
     s.add_argument("--partition", help="iid | dirichlet:ALPHA | shards:K (default dirichlet:--alpha)")
@@ -487,18 +540,21 @@ def main(argv: list[str] | None = None) -> int:
                                                   "package.module:factory (docs/your-model.md)")
     s.add_argument("--hidden", type=int, nargs="+", default=[200, 200], help="hidden sizes of --model mlp")
     s.add_argument("--devices", type=int, default=None, help="default 20 (a --data directory: its files)")
-    s.add_argument("--clients-per-round", type=int, default=10)
-    s.add_argument("--rounds", type=int, default=30)
-    s.add_argument("--epochs", type=int, default=1)
-    s.add_argument("--lr", type=float, default=0.05)
-    s.add_argument("--batch-size", type=int, default=20)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--clients-per-round", type=int, default=10, help="reports a round commits with")
+    s.add_argument("--rounds", type=int, default=30, help="rounds to run")
+    s.add_argument("--epochs", type=int, default=1, help="local epochs each device trains per round")
+    s.add_argument("--lr", type=float, default=0.05, help="the devices' learning rate")
+    s.add_argument("--batch-size", type=int, default=20, help="the devices' minibatch size")
+    s.add_argument("--seed", type=int, default=0, help="seeds the data split, the model's initial weights and "
+                                                       "the selection")
     s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label-skew concentration")
-    s.add_argument("--over-selection", type=float, default=1.3)
+    s.add_argument("--over-selection", type=float, default=1.3,
+                   help="devices selected per round, as a multiple of --clients-per-round (the rest drop out)")
     s.add_argument("--mode", choices=["reproducible", "production"], default="reproducible",
                    help="reproducible (default): selection, committed reports and the aggregate are a pure function "
                         "of the seed and the data; production: availability and arrival order decide, as in a fleet")
-    s.add_argument("--round-timeout", type=float, default=60.0)
+    s.add_argument("--round-timeout", type=float, default=60.0, help="seconds before a round commits with "
+                                                                     "the reports it has")
     s.add_argument("--runtimes", default="torch", help="comma list assigned round-robin to devices (torch, ort, "
                    "executorch; native: the C++ device of clients/native, on ExecuTorch)")
     s.add_argument("--native-binary", default=None, help="the fedge-native executable (default build/native/fedge-native)")
@@ -506,17 +562,20 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--processes", type=int, default=2, help="device processes")
     s.add_argument("--ingest-workers", type=int, default=0, metavar="N",
                    help="take reports through N shared-subscription ingest workers (MQTT 5; --broker mosquitto)")
-    s.add_argument("--chunk-kb", type=int, default=256)
-    s.add_argument("--workdir", default="runs/simulate")
+    s.add_argument("--chunk-kb", type=int, default=256, help="MQTT messages above this many KB are chunked")
+    s.add_argument("--workdir", default="runs/simulate", help="the devices' data, state and the coordinator's "
+                                                             "state go here")
     s.add_argument("--strategy-arg", "-S", action="append", default=[], metavar="KEY=VALUE",
                    help="strategy option, e.g. -S preset=high -S server_lr=0.03 (repeatable)")
     s.add_argument("--out", help="write the run report JSON here")
     s.add_argument("--plot", help="write accuracy-vs-MB PNG here")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar (only the round table)")
     s.set_defaults(fn=cmd_simulate)
 
     from .conformance import add_parser as add_conformance
     add_conformance(sub)
+    from .webdevice import add_parser as add_web_device
+    add_web_device(sub)
 
     try:
         from export.cli import add_parser as add_export  # export tooling is optional on a coordinator
@@ -527,7 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     for p in sub.choices.values():  # -v after the subcommand too (fedge coordinator -v), as people type it
         p.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after",
                        help="more log lines: -v info, -vv debug")
-    a = ap.parse_args(argv)
+    describe_subcommands(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     a.verbose += a.verbose_after
     logging.basicConfig(level=logging.WARNING - 10 * a.verbose,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

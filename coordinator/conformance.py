@@ -190,9 +190,12 @@ class Proxy:
     """A TCP relay between the device and the broker, so the driver can cut the device's connection the way a
     lost network does (no DISCONNECT: the broker publishes the will). The device connects to ``address``."""
 
-    def __init__(self, listen: str, broker: BrokerAddress):
+    def __init__(self, listen: str, broker: BrokerAddress, upstream: tuple[str, int] | None = None):
+        """``upstream``: relay to this (host, port) instead of the broker's MQTT port: its WebSockets listener, for a
+        device in a web page (bytes are relayed as they are, so any protocol over TCP goes through)."""
         host, _, port = listen.rpartition(":")
         self.broker = broker
+        self.upstream = upstream or (broker.host, broker.port)
         self.srv = socket.create_server((host or "127.0.0.1", int(port or 0)))
         self.address = self.srv.getsockname()[:2]
         self.pairs: list[tuple[socket.socket, socket.socket]] = []
@@ -208,7 +211,7 @@ class Proxy:
             except OSError:
                 return
             try:
-                up = socket.create_connection((self.broker.host, self.broker.port), timeout=10)
+                up = socket.create_connection(self.upstream, timeout=10)
                 up.settimeout(None)
             except OSError:
                 dev.close()
@@ -812,9 +815,9 @@ def run_device(argv: list[str], o: Options, out: Callable[[str], None] = print) 
 def add_parser(sub) -> None:
     c = sub.add_parser("conformance", help="play a coordinator's scripted session against one device and judge it "
                                            "against docs/protocol.md")
-    c.add_argument("--broker", default="mqtt://127.0.0.1:1883")
+    c.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="the broker the device is on")
     c.add_argument("--device", help="the device id under test")
-    c.add_argument("--fleet", default="default")
+    c.add_argument("--fleet", default="default", help="the device's fleet name")
     c.add_argument("--data", metavar="FILE", help="the device's data (.npz with x, y): the train_maths step "
                                                   "computes the training from them; the MLP defaults to "
                                                   "features,8,classes of them")
@@ -828,6 +831,8 @@ def add_parser(sub) -> None:
     c.add_argument("--pace", type=float, default=3.0, help="the pace (s) sent in the pace step")
     c.add_argument("--proxy", metavar="HOST:PORT", help="listen here and relay to the broker; point the device at it "
                                                        "(the last-will step cuts its connection)")
+    c.add_argument("--proxy-to", metavar="HOST:PORT", help="relay to HOST:PORT instead of --broker's MQTT port (the "
+                   "broker's WebSockets listener, for a device in a web page: point it at ws://<--proxy>)")
     c.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the device's first check-in")
     c.add_argument("--only", default="", help="comma-separated steps (checkin always runs first)")
     c.add_argument("--list", action="store_true", help="list the steps and what each checks")
@@ -864,9 +869,18 @@ def cmd_conformance(a: argparse.Namespace) -> int:
     o = Options(a.broker, a.device, a.fleet, sizes, open(a.program, "rb").read() if a.program else None, a.timeout,
                 a.resend_within, a.quiet, a.pace, a.wait, only, data=data)
     proxy = None
+    upstream = None
+    if a.proxy_to:
+        host, _, port = a.proxy_to.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--proxy-to {a.proxy_to}: give HOST:PORT, e.g. 127.0.0.1:9001")
+        if not a.proxy:
+            raise ConfigError("--proxy-to needs --proxy (the address the device connects to)")
+        upstream = (host, int(port))
     if a.proxy:
-        proxy = Proxy(a.proxy, BrokerAddress.parse(a.broker))
-        print(f"relay listening: point the device at mqtt://{proxy.address[0]}:{proxy.address[1]}", flush=True)
+        proxy = Proxy(a.proxy, BrokerAddress.parse(a.broker), upstream)
+        scheme = "ws" if upstream else "mqtt"
+        print(f"relay listening: point the device at {scheme}://{proxy.address[0]}:{proxy.address[1]}", flush=True)
     try:
         v = run(o, proxy=proxy)
     finally:

@@ -35,8 +35,8 @@ log = logging.getLogger("fedge.coordinator")
 
 
 def _build(spec: dict, runtime: str, objective: str, layout: dict | None, cache_dir) -> Program:
-    from export.build import build_program  # export tooling is only needed for runtimes other than torch
-    return build_program(spec, runtime, objective=objective, layout=layout, cache_dir=cache_dir)
+    from export.store import cached_program  # export tooling is only needed for runtimes other than torch
+    return cached_program(spec, runtime, cache_dir, objective=objective, layout=layout)
 
 
 class ProgramCatalog:
@@ -275,6 +275,25 @@ class Coordinator:
 
     def on_tick(self, link, now):
         self._guard("tick", lambda: self.machine.tick(now))
+        self._say_selection_wait(now)
+
+    def _say_selection_wait(self, now: float) -> None:
+        """A production round waiting for over-selection says so, and how to change it: the first time at WARNING
+        (one line: the fleet is smaller than the over-selected target), then at INFO (-v) once per round."""
+        from .selection import over_selection_wait
+        m = self.machine
+        w = getattr(m, "_window", None)  # the production selection's sample (rounds.py); None in reproducible mode
+        if m.open is not None or m.finished or m.cfg.reproducible or w is None or now - m.idle_since < 1.0:
+            return
+        key = (m.state.round + 1, m.attempt)
+        if key == getattr(self, "_wait_said", None):
+            return
+        note = over_selection_wait(len(w), m.cfg.clients_per_round, m.cfg.over_selection, m.cfg.min_needed,
+                                   m.cfg.selection_timeout_s)
+        if note is not None:
+            self._wait_said = key
+            (log.info if getattr(self, "_wait_warned", False) else log.warning)("round %d: %s", key[0], note)
+            self._wait_warned = True
 
     def _guard(self, stage: str, fn) -> None:
         if self._halted:

@@ -20,6 +20,22 @@ def n_to_select(target: int, over_selection: float, available: int) -> int:
     return min(available, math.ceil(target * over_selection))
 
 
+def over_selection_wait(eligible: int, target: int, over_selection: float, min_needed: int,
+                        timeout_s: float) -> str | None:
+    """What a production round that waits for over-selection says: ``eligible`` devices would do (at least
+    ``min_needed``) but are fewer than ``ceil(target * over_selection)``, so the round waits ``timeout_s`` for more
+    before it opens with them, and how to make it open at once. None when the round is not waiting for that."""
+    want = math.ceil(target * over_selection)
+    if eligible >= want or eligible < min_needed or timeout_s <= 0:
+        return None
+    fits = math.floor(100 * eligible / target) / 100
+    fix = (f"set [rounds] over_selection = {fits:g}{'' if fits % 1 else '.0'}" if eligible >= target else
+           f"set [rounds] clients_per_round = {eligible} and over_selection = 1.0")
+    return (f"{eligible} devices eligible, fewer than the {want} that over-selection asks for ({target} reports x "
+            f"over_selection {over_selection:g}): the round waits up to {timeout_s:g} s (selection_timeout_s) for "
+            f"more, then opens with {eligible}; for a fleet this small, {fix} to open at once")
+
+
 def select_ordered(eligible: list[str], k: int, seed: int, round_: int, attempt: int) -> list[str]:
     """``k`` devices drawn without replacement from the sorted eligible list, in the order they were drawn:
     a seeded priority, which fixes which reports a reproducible round commits (the first ``target`` of it)."""

@@ -1,4 +1,5 @@
-"""The coordinator's HTTP server: ``/metrics`` (Prometheus), ``/status.json`` and the live status page ``/``.
+"""The coordinator's HTTP server: ``/metrics`` (Prometheus), ``/status.json``, the live status page ``/``, and the
+browser device's page under ``/device/`` (coordinator/webdevice.py, docs/browser.md).
 
 Standard library only (``http.server`` on a daemon thread). Read-only: every route is a GET of what the
 daemon's :class:`~coordinator.metrics.FleetMetrics` observer holds. It binds to loopback unless told
@@ -50,6 +51,18 @@ class StatusServer:
                         self._send(200, "text/html; charset=utf-8", page_html(srv.status()))
                     elif path == "/healthz":
                         self._send(200, "text/plain; charset=utf-8", b"ok\n")
+                    elif path == "/device" or path.startswith("/device/"):  # the browser device (coordinator/webdevice.py)
+                        from .webdevice import CSP, MissingAssets, asset
+                        try:
+                            got = asset(path)
+                        except MissingAssets as e:
+                            log.warning("status server: %s", e)
+                            self._send(503, "text/plain; charset=utf-8", f"{e}\n".encode())
+                            return
+                        if got is None:
+                            self._send(404, "text/plain; charset=utf-8", b"not found\n")
+                        else:
+                            self._send(200, got[0], got[1], csp=CSP)
                     else:
                         self._send(404, "text/plain; charset=utf-8", b"not found: try /, /status.json or /metrics\n")
                 except Exception:  # noqa: BLE001 - a bug here must not take the coordinator down
@@ -60,13 +73,15 @@ class StatusServer:
                 self._head_only = True
                 self.do_GET()
 
-            def _send(self, code: int, ctype: str, body: bytes) -> None:
+            def _send(self, code: int, ctype: str, body: bytes, csp: str | None = None) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
                 self.send_header("X-Content-Type-Options", "nosniff")
-                if ctype.startswith("text/html"):
+                if csp:
+                    self.send_header("Content-Security-Policy", csp)
+                elif ctype.startswith("text/html"):
                     # only our own inline script and style; nothing from elsewhere
                     self.send_header("Content-Security-Policy", "default-src 'none'; script-src 'unsafe-inline'; "
                                      "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:")

@@ -9,10 +9,67 @@ import argparse
 import logging
 import signal
 import sys
+import typing
 from dataclasses import dataclass
 
 from .runtime.config import ConfigError, from_dict, load_toml, unknown
 from .runtime.data import load_npz
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help, unless the help says it already or there is none to say (no value,
+    a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or "default" in text.lower() or action.default in (None, False, [], "")
+                or action.default is argparse.SUPPRESS or action.nargs == 0):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a person's mistake on one line (``fedge simulate: unrecognized arguments: --epohcs 3; did
+    you mean --epochs?``) and exit status 2, as every other mistake; subcommands get their help line as their
+    description and every option's default in ``--help``."""
+
+    def __init__(self, *args, **kw) -> None:
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
+
+    def error(self, message: str) -> typing.NoReturn:
+        import difflib
+        import re
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            close = difflib.get_close_matches(m[1], re.findall(r"'([^']*)'", m[2]), n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        self.exit(2, f"{self.prog}: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        import difflib
+        a, extras = self.parse_known_args(args, namespace)
+        if extras:
+            p = self
+            for act in self._actions:  # the subcommand's parser says it, with its own options to suggest
+                if isinstance(act, argparse._SubParsersAction):
+                    p = act.choices.get(getattr(a, act.dest, None), self)
+            msg = f"unrecognized arguments: {' '.join(extras)}"
+            flag = next((e.partition("=")[0] for e in extras if e.startswith("-")), None)
+            close = difflib.get_close_matches(flag, list(p._option_string_actions), n=1) if flag else []
+            p.error(msg + (f"; did you mean {close[0]}?" if close else ""))
+        return a
+
+
+def describe_subcommands(ap: argparse.ArgumentParser) -> None:
+    """Each subcommand's help line (``fedge --help``'s list) as its ``--help`` description too, when it has none."""
+    for act in ap._actions:
+        if isinstance(act, argparse._SubParsersAction):
+            for choice in act._choices_actions:
+                p = act.choices[choice.dest]
+                if not p.description:
+                    p.description = choice.help
 
 
 @dataclass
@@ -83,27 +140,37 @@ def cmd_device(a: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("device", help="run one device agent")
-    d.add_argument("--config", help="device.toml")
-    d.add_argument("--id")
-    d.add_argument("--data", help=".npz with x and y")
-    d.add_argument("--state-dir")
-    d.add_argument("--broker")
+    d = sub.add_parser("device", help="run one device agent (settings from --config device.toml, or flags)")
+    d.add_argument("--config", help="device.toml ([device], [capabilities]); the flags below override it")
+    d.add_argument("--id", help="the device id (its MQTT topics; 1-128 of A-Z a-z 0-9 _ . : -); default: [device] id")
+    d.add_argument("--data", help=".npz with x and y; default: [device] data")
+    d.add_argument("--state-dir", help="private state and program cache (default: [device] state_dir, else "
+                                       "runs/device-<id>)")
+    d.add_argument("--broker", help="mqtt://[user:password@]host:port or mqtts://... (default: [device] broker, "
+                                    "else mqtt://127.0.0.1:1883)")
     d.add_argument("--fleet", help="the fleet name (default: [device] fleet, else 'default')")
-    d.add_argument("--runtime", choices=["torch", "ort", "executorch"])
+    d.add_argument("--runtime", choices=["torch", "ort", "executorch"],
+                   help="the trainer (default: [capabilities] runtime, else torch)")
     d.add_argument("--ca-file", help="CA certificate of an mqtts:// broker")
     d.set_defaults(fn=cmd_device)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``fedge-device``: the device command on its own."""
-    ap = argparse.ArgumentParser(prog="fedge-device", description=__doc__)
-    ap.add_argument("-v", "--verbose", action="count", default=0)
+def parser() -> argparse.ArgumentParser:
+    """``fedge-device``'s command line: ``fedge device``'s, with ``device`` implied (main prepends it)."""
+    ap = Parser(prog="fedge-device", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="more log lines: -v info, -vv debug")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_parser(sub)
     sub.choices["device"].add_argument("-v", "--verbose", action="count", default=0,
                                        help="more log lines: -v info, -vv debug")
-    a = ap.parse_args(["device", *(argv if argv is not None else sys.argv[1:])])
+    sub.choices["device"].prog = "fedge-device"  # (its usage line: what a person types)
+    describe_subcommands(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fedge-device``: the device command on its own."""
+    a = parser().parse_args(["device", *(argv if argv is not None else sys.argv[1:])])
     logging.basicConfig(level=logging.WARNING - 10 * a.verbose, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return a.fn(a)

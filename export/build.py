@@ -9,37 +9,37 @@ objective adds it to every runtime here without a line of this file changing.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from edge.model import ModelSpec
+from edge.quiet import quiet
 from edge.runtime.program import Program, torch_program
 from edge.trainers.torch_objectives import Objective, build
 
 RUNTIMES = ("torch", "ort", "executorch")
 
 
+# fedge's calls into the export toolchains: their warnings and log lines (torch.export's pytree FutureWarnings,
+# torchao's import warnings, onnxblock's and ExecuTorch's C++ log) are not shown at default verbosity (-v shows them).
 def _ort(obj: Objective, **options: Any) -> bytes:
-    from .ort import export_ort
-    return export_ort(obj, **options)
+    with quiet(native=True):
+        from .ort import export_ort
+        return export_ort(obj, **options)
 
 
 def _executorch(obj: Objective, **options: Any) -> bytes:
-    from .executorch import export_executorch
-    return export_executorch(obj, **options)
+    with quiet(native=True):
+        from .executorch import export_executorch
+        return export_executorch(obj, **options)
 
 
 EXPORTERS: dict[str, Callable[..., bytes]] = {"ort": _ort, "executorch": _executorch}
 
 
 def build_program(spec: ModelSpec, runtime: str, *, objective: str = "ce", layout: dict | None = None,
-                  cache_dir: str | os.PathLike | None = None, **options: Any) -> Program:
-    """The program; with ``cache_dir``, through its :class:`export.store.ProgramStore` (a request seen before
-    is never exported again)."""
-    if cache_dir is not None:
-        from .store import ProgramStore
-        prog, _info = ProgramStore(cache_dir).get(spec, runtime, objective=objective, layout=layout, **options)
-        return prog
+                  **options: Any) -> Program:
+    """The program, exported now. Through a cache: :func:`export.store.cached_program` (the store imports this
+    module; this one imports nothing of the store, so the two do not lean on each other)."""
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})")
     if runtime == "torch":

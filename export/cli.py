@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--input", help="example shape of a factory model, e.g. 1,28,28 (or give --data)")
     s.add_argument("--data", help=".npz whose x gives the example shape (and whose y is checked against the classes)")
     s.add_argument("--objective", default="ce", help="training objective: ce (FedAvg, FedL1, ...), fedsparse, fedprox")
-    s.add_argument("--runtime", default="all", choices=["torch", "ort", "executorch", "all"])
+    s.add_argument("--runtime", default="all", choices=["torch", "ort", "executorch", "all"],
+                   help="which runtime's program (all: every one)")
     s.add_argument("--cache", default="runs/programs", help="program store directory")
     s.add_argument("--out", help="also copy each program here as <name>.<torch.json|ort|pte>")
     s.add_argument("--spec-out", help="write the model spec (JSON) here: --model SPEC.json reuses it")
@@ -84,6 +85,9 @@ def cmd_export(a: argparse.Namespace) -> int:
             prog, info = store.get(spec, rt, objective=a.objective)
         except ConfigError:
             raise
+        except ModuleNotFoundError as e:  # `make demo`'s venv: torch only
+            raise ConfigError(f"--runtime {rt}: the export toolchain is not installed ({e}); `make install` (or "
+                              "pip install 'fedge[export]') installs it") from None
         except Exception as e:  # an exporter failing on this model: one line, not a traceback
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise ConfigError(f"exporting {a.model} for {rt} failed: {type(e).__name__}: {first}") from None

@@ -82,6 +82,52 @@ def clean_training_graph(gm):
     return PassResult(gm, True)
 
 
+# XNNPACK's preprocess runs every pass of its pass manager on every delegated partition. Two of them only
+# rewrite subgraphs matching their patterns, and every pattern of each holds these ops (checked by
+# tests/test_export_speed.py against the patterns themselves): without them in a graph the pass is a no-op.
+# Building their patterns and matching them was ~6 s of a 26 s MLP export (runtimes.md section 5b).
+PATTERN_PASS_ANCHORS = {"ConvertToUpsampleBilinear2d": frozenset({"aten.upsample_bilinear2d.vec"}),
+                        "ConvertToSDPAPass": frozenset({"aten._softmax.default", "aten.bmm.default"})}
+
+
+def graph_ops(graph) -> set[str]:
+    """The names of the operators a graph calls (``aten.mm.default``, ...)."""
+    return {getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"}
+
+
+def applicable_passes(passes: list, ops: set[str]) -> list:
+    """``passes`` without the pattern passes that cannot match a graph calling ``ops``."""
+    return [p for p in passes if pattern_pass_applies(p, ops)]
+
+
+def pattern_pass_applies(pass_: type, ops: set[str]) -> bool:
+    anchors = PATTERN_PASS_ANCHORS.get(getattr(pass_, "__name__", ""))
+    return anchors is None or anchors <= ops
+
+
+def _skip_inapplicable_xnnpack_passes() -> None:
+    """Wrap XNNPACK's pass manager once per process so that its default pass list drops the pattern passes
+    that cannot match the partition at hand. Exact: the dropped passes would change nothing (a test compares
+    the program bytes with and without)."""
+    try:
+        from executorch.backends.xnnpack import _passes as xp
+    except ImportError:  # pragma: no cover - executorch without XNNPACK
+        return
+    manager = xp.XNNPACKPassManager
+    if getattr(manager, "_fedge_trimmed", False):
+        return
+    plain_init = manager.__init__
+
+    def init(self, exported_program, passes=None):
+        plain_init(self, exported_program, passes)
+        if not passes:  # the default list: trim it for this partition
+            self.passes = applicable_passes(self.passes, graph_ops(exported_program.graph))
+
+    manager._fedge_plain_init = plain_init  # the tests export with it too, and compare the bytes
+    manager.__init__ = init
+    manager._fedge_trimmed = True
+
+
 def xnnpack_partitioner():
     """XNNPACK for training graphs: GEMMs with non-static weights; no convolutions (they would need static
     weights: "XNNCompiler::compileModel failed: 0x1" at load); no GELU or tanh, which XNNPACK approximates
@@ -89,6 +135,7 @@ def xnnpack_partitioner():
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS, ConvolutionConfig
     from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig, TanhConfig
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    _skip_inapplicable_xnnpack_passes()
     configs = [c for c in ALL_PARTITIONER_CONFIGS if c not in (ConvolutionConfig, GeluConfig, TanhConfig)]
     return XnnpackPartitioner(configs=configs, force_non_static_weights_for_f32_linear=True)
 

@@ -6,6 +6,11 @@ constant-folds parameter-only terms such as softplus(v), which cuts their gradie
 then ``generate_artifacts`` builds the gradient graph with the module's first output as the loss and the
 auxiliary outputs passed through. Cross-entropy programs also get ORT's SGD optimizer and eval graphs (the
 runtime's own step and evaluate); the others only compute gradients (their optimisers run in numpy).
+
+Every program also carries ``gradient_model.onnx`` (:func:`gradient_model`): the training graph with ORT's
+in-place gradient accumulators cut out, so the loss *and the gradients* are ordinary graph outputs. ORT's
+training API hands gradients back only through its C/Python ``Module``; ONNX Runtime Web's training build has no
+such call, but runs this graph as a plain ``InferenceSession`` (the browser device, clients/web, docs/browser.md).
 """
 from __future__ import annotations
 
@@ -44,6 +49,53 @@ def to_onnx(obj: Objective, batch: int = 2):
     return model
 
 
+def gradient_model(training_model: bytes, params: list[str], shapes: dict[str, list[int]]) -> bytes:
+    """The training graph as one that returns the gradients: each ``InPlaceAccumulatorV2`` (which adds the gradient
+    into the ``<p>_grad.accumulation.buffer`` input in place and outputs only a flag, so a session that is not ORT's
+    training ``Module`` never sees the gradient) is dropped, and the gradient tensor it consumed becomes the graph
+    output ``<p>_grad``. The buffer inputs and ``lazy_reset_grad`` go; the parameters stay graph inputs (after the
+    program's inputs; feed them by name). Outputs: ``loss``, the auxiliary outputs, then ``<p>_grad`` in ``params``
+    order."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    m = onnx.load_from_string(training_model)
+    g = m.graph
+    acc = {n.output[0]: n for n in g.node if n.op_type == "InPlaceAccumulatorV2"}
+    grad_of: dict[str, str] = {}
+    for n in acc.values():
+        buf, grad = n.input[0], n.input[1]
+        p = buf.removesuffix("_grad.accumulation.buffer")
+        if p == buf or p not in params:
+            raise ValueError(f"unexpected gradient accumulator {n.name!r} on {buf!r}")
+        grad_of[p] = grad
+    missing = [p for p in params if p not in grad_of]
+    if missing:
+        raise ValueError(f"the training graph has no gradient for {missing[:5]}")
+    dropped_inputs = {n.input[0] for n in acc.values()} | {"lazy_reset_grad"}
+    kept_nodes = [n for n in g.node if n.op_type != "InPlaceAccumulatorV2"]
+    del g.node[:]
+    g.node.extend(kept_nodes)
+    used = {i for n in g.node for i in n.input}
+    if used & dropped_inputs:
+        raise ValueError(f"the training graph reads {sorted(used & dropped_inputs)[:3]} outside its accumulators")
+    inputs = [i for i in g.input if i.name not in dropped_inputs]
+    del g.input[:]
+    g.input.extend(inputs)
+    outputs = [o for o in g.output if o.name not in acc]
+    renames = {grad_of[p]: f"{p}_grad" for p in params}
+    for n in g.node:  # the gradient tensors take the output names (a node's output may be read by others too)
+        n.output[:] = [renames.get(o, o) for o in n.output]
+        n.input[:] = [renames.get(i, i) for i in n.input]
+    del g.output[:]
+    g.output.extend(outputs + [helper.make_tensor_value_info(f"{p}_grad", TensorProto.FLOAT, list(shapes[p]))
+                               for p in params])
+    vi = [v for v in g.value_info if v.name not in renames]
+    del g.value_info[:]
+    g.value_info.extend(vi)
+    return m.SerializeToString()
+
+
 def export_ort(obj: Objective, *, nominal: bool = True) -> bytes:
     """``nominal``: ship ORT's nominal checkpoint (names and shapes, no values): the weights always come with
     the plan, so the program shrinks from ~4 bytes per parameter to a few KB."""
@@ -78,4 +130,7 @@ def export_ort(obj: Objective, *, nominal: bool = True) -> bytes:
     finally:
         root.setLevel(level)
         tgu.SessionOptions = plain_options
-    return ort_backend.pack_program(program_meta(obj), files, nominal=nominal)
+    meta = program_meta(obj)
+    files[ort_backend.GRADIENT_FILE] = gradient_model(files["training_model.onnx"], list(meta["params"]),
+                                                      meta["shapes"])
+    return ort_backend.pack_program(meta, files, nominal=nominal)

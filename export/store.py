@@ -20,10 +20,12 @@ import torch
 from edge.model import ModelSpec
 from edge.runtime.program import Program, ProgramCache
 
+from .build import build_program
+
 log = logging.getLogger(__name__)
 
 # Bumped whenever an exporter's output changes meaning, so stale cache keys are never reused.
-EXPORTER_VERSION = 6
+EXPORTER_VERSION = 7  # 7: ORT programs carry gradient_model.onnx
 
 
 @dataclass
@@ -66,7 +68,6 @@ class ProgramStore:
 
     def get(self, spec: ModelSpec, runtime: str, objective: str = "ce", layout: dict | None = None,
             **options: Any) -> tuple[Program, BuildInfo]:
-        from .build import build_program
         opts = {"objective": objective, "layout": layout or {}, **options}
         padding = _padding(spec, runtime, objective, layout)
         if padding is not None:  # a program that serves smaller networks carries it (its key names it)
@@ -95,3 +96,12 @@ class ProgramStore:
 
     def get_by_hash(self, h: str) -> bytes | None:
         return self.programs.get(h)
+
+
+def cached_program(spec: ModelSpec, runtime: str, cache_dir: str | os.PathLike | None, *, objective: str = "ce",
+                   layout: dict | None = None, **options: Any) -> Program:
+    """The program through the :class:`ProgramStore` at ``cache_dir`` (a request seen before is never exported
+    again); with ``cache_dir`` None, exported now (:func:`export.build.build_program`)."""
+    if cache_dir is None:
+        return build_program(spec, runtime, objective=objective, layout=layout, **options)
+    return ProgramStore(cache_dir).get(spec, runtime, objective=objective, layout=layout, **options)[0]

@@ -170,3 +170,14 @@ def native_build() -> Path:
     if missing and not os.environ.get("CI"):
         pytest.skip(f"the native device cannot be built here: {missing}")
     return build_native(Path(__file__).resolve().parents[1] / "build" / "native")
+
+
+@pytest.fixture
+def mosquitto_ws():
+    """A private Mosquitto with a WebSockets listener beside its MQTT one (``ws_port``, ``ws_url``): devices in a web
+    page (clients/web) connect over it. Skipped where Mosquitto is missing, except in CI, which installs it."""
+    from coordinator.broker import Mosquitto, mosquitto_binary
+    if mosquitto_binary() is None and not os.environ.get("CI"):
+        pytest.skip("mosquitto is not installed")
+    with Mosquitto(websockets=0) as b:
+        yield b

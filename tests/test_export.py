@@ -69,13 +69,17 @@ def test_build_program_dispatch():
 
 
 def test_daemon_style_build_program_uses_the_cache(tmp_path, monkeypatch):
-    """coordinator.daemon calls build_program(spec, runtime, cache_dir=..., objective=..., layout=...)."""
+    """coordinator.daemon builds through export.store.cached_program(spec, runtime, cache_dir, objective=...,
+    layout=...): a request seen before is not exported again."""
+    from coordinator.daemon import _build
     spec = mlp([64, 16, 10])
-    p1 = build_mod.build_program(spec, "ort", cache_dir=tmp_path, objective="ce")
-    g1 = build_mod.build_program(spec, "ort", cache_dir=tmp_path, objective="fedsparse")
+    p1 = _build(spec, "ort", "ce", None, tmp_path)
+    g1 = _build(spec, "ort", "fedsparse", None, tmp_path)
     monkeypatch.setitem(build_mod.EXPORTERS, "ort", lambda *a, **k: pytest.fail("exported again"))
-    assert build_mod.build_program(spec, "ort", cache_dir=tmp_path, objective="ce").data == p1.data
-    assert build_mod.build_program(spec, "ort", cache_dir=tmp_path, objective="fedsparse").data == g1.data != p1.data
+    assert _build(spec, "ort", "ce", None, tmp_path).data == p1.data
+    assert _build(spec, "ort", "fedsparse", None, tmp_path).data == g1.data != p1.data
+    with pytest.raises(BaseException, match="exported again"):  # no cache: exported now
+        _build(spec, "ort", "ce", None, None)
 
 
 def test_export_cli(tmp_path, capsys):

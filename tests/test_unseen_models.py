@@ -54,12 +54,56 @@ def test_group_sizes_count_a_groups_own_weights():
     """Hand counts: the CNN's conv channels (1*5*5 + 1, 8*5*5 + 1), its hidden units (256 + 1); the residual net's
     stem channel is tied through both residual adds to a2's and b2's channel (3*3 + 1 + 2 * (12*3*3 + 1))."""
     from edge.model import param_shapes
-    from edge.subnet import group_sizes, pruned_groups
+    from edge.subnet import gate_groups, group_sizes
     for ref, want in (("cnn", {"0": 26, "3": 201, "7": 257}),
                       ("resnet", {"stem": 10 + 2 * 109, "a1": 109, "b1": 109})):
         spec = resolve(f"benchmarks/unseen_zoo.py:{ref}", (1, 28, 28), 10)
         shapes = param_shapes(spec)
-        assert {g.layer: group_sizes(g, shapes) for g in pruned_groups(spec)} == want
+        assert {g.layer: group_sizes(g, shapes) for g in gate_groups(spec)} == want
+
+
+def test_fedsparse_gates_the_channels_inside_blocks_not_the_residual_stream():
+    """The stem's channels run through both residual adds: no gate, no threshold, never pruned. A closed gate on
+    a block's channel computes exactly the network with that channel's filter and bias zeroed (the trunk
+    untouched), checked against the module's own forward."""
+    import torch
+    from edge.subnet import gate_groups, pruned_groups
+    from edge.trainers.torch_objectives import build
+    from benchmarks.unseen_zoo import resnet
+    spec = resolve("benchmarks/unseen_zoo.py:resnet", (1, 28, 28), 10)
+    assert [g.layer for g in gate_groups(spec)] == ["stem", "a1", "b1"]
+    assert [g.layer for g in pruned_groups(spec)] == ["a1", "b1"]
+    assert [g.layer for g in make_strategy("fedsparse", spec=spec).groups.values()] == ["a1", "b1"]
+    obj = build("fedsparse", spec, None)
+    assert "stem.v" not in obj.params() and {"a1.v", "b1.v"} <= set(obj.params())
+    torch.manual_seed(0)
+    m = resnet()
+    with torch.no_grad():
+        for name, t in m.state_dict().items():
+            obj.params()[name].copy_(t)
+    n, closed = 5, (3, 7)  # a1's channel 3, b1's channel 7
+    x = torch.randn(n, 1, 28, 28)
+    y = torch.tensor([0, 3, 3, 9, 1])
+    feeds = {"x": x.reshape(n, -1), "y": y, "w": torch.tensor([1.0, 2.0, 0.5, 1.0, 1.5])}
+    for i, (L, c) in enumerate(zip(["a1", "b1"], closed)):
+        norm = torch.full((12,), 1e4)
+        norm[c] = -1e4  # pi exactly 0 for that channel, 1 for the others (T = 1)
+        feeds |= {f"u{i}": torch.full((12,), 0.5), f"theta_logit{i}": torch.zeros(12), f"norm{i}": norm}
+    feeds |= {"lambda0": torch.tensor(0.0), "ce_scale": torch.tensor(0.0), "T": torch.tensor(1.0)}
+    names = [i.name for i in obj.inputs()]
+    loss = obj(*[feeds[k] for k in names])[0].detach()
+    with torch.no_grad():
+        m.a1.weight[closed[0]] = 0
+        m.a1.bias[closed[0]] = 0
+        m.b1.weight[closed[1]] = 0
+        m.b1.bias[closed[1]] = 0
+        ce = torch.nn.functional.cross_entropy(m(x), y, reduction="none")
+    want = (ce * feeds["w"]).sum()  # the objective's CE is sum_i w_i CE_i (objective.weighted_ce)
+    assert abs(float(loss) - float(want)) < 1e-5 * max(1.0, float(want))
+    with torch.no_grad():
+        m.a1.weight[closed[0]] = 1.0  # the reference moves with the closed channel's weights: the gate does not
+        moved = (torch.nn.functional.cross_entropy(m(x), y, reduction="none") * feeds["w"]).sum()
+    assert abs(float(loss) - float(moved)) > 1e-3
 
 
 def test_the_benchmark_writes_what_the_checks_read():

@@ -18,6 +18,21 @@ def cmd_fleetsim(a: argparse.Namespace) -> int:
     from . import traces as T
     from .fleet import Fleet, SimConfig, spread
 
+    checks = [("--windows", a.windows, a.windows >= 1, "must be at least 1"),
+              ("--active-fraction", a.active_fraction, 0 < a.active_fraction <= 1, "must be above 0 and at most 1"),
+              ("--dropout", a.dropout, 0 <= a.dropout <= 1, "must be 0 to 1"),
+              ("--speedup", a.speedup, a.speedup > 0, "must be above 0"),
+              ("--heartbeat", a.heartbeat, a.heartbeat > 0, "must be above 0"),
+              ("--connect-rate", a.connect_rate, a.connect_rate > 0, "must be above 0")]
+    if not a.trace:
+        checks.insert(0, ("--devices", a.devices, a.devices >= 1, "must be at least 1"))
+    for flag, value, ok, need in checks:
+        if not ok:
+            raise ConfigError(f"{flag} = {value}: {need}")
+    if a.trace and not Path(a.trace).is_file():
+        raise ConfigError(f"--trace {a.trace}: no such file")
+    if not a.broker.startswith(("mqtt://", "tcp://")) and "://" in a.broker:
+        raise ConfigError(f"--broker = {a.broker!r}: the fleet simulator speaks plain MQTT (mqtt://host:port)")
     try:
         if a.trace:
             traces = T.load(a.trace)
@@ -56,12 +71,12 @@ def cmd_fleetsim(a: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("fleetsim", help="run many virtual devices (the real agent core, synthetic training) against "
                                         "a broker and coordinator")
-    f.add_argument("--broker", default="mqtt://127.0.0.1:1883")
-    f.add_argument("--fleet", default="default")
+    f.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="the broker the coordinator is on")
+    f.add_argument("--fleet", default="default", help="the coordinator's fleet name")
     f.add_argument("--trace", help="a trace file (docs/fleetsim.md); else traces are generated")
     f.add_argument("--save-trace", metavar="PATH", help="write the traces used to PATH")
     f.add_argument("--devices", type=int, default=100, help="generated devices")
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=int, default=0, help="seeds the generated traces")
     f.add_argument("--compute-ms", type=float, default=20.0, help="median inference ms per sample (lognormal)")
     f.add_argument("--kbps", type=float, default=5000.0, help="median link kbit/s (lognormal)")
     f.add_argument("--period", type=float, default=3600.0, help="availability period, trace seconds")

@@ -107,9 +107,9 @@ class Accumulator:
             s += tn * wide[1]
 
 
-try:  # scipy comes with scikit-learn, which the coordinator needs; numpy does it in two passes otherwise
+try:  # scipy when installed (the [dev] extra brings it with scikit-learn); numpy does it in two passes otherwise
     from scipy.linalg.blas import daxpy as _daxpy, saxpy as _saxpy
-except ImportError:  # pragma: no cover
+except ImportError:  # the demo's venv ([coordinator] extra) has no scipy
     _daxpy = _saxpy = None
 
 

@@ -81,6 +81,11 @@ class ExecuTorchTrainer:
         self._m = None
 
     def load(self, program: bytes) -> None:
+        from ..quiet import quiet
+        with quiet(native=True):  # torchao's import warnings, the runtime's C++ cpuinfo/threadpool log (-v shows them)
+            self._load(program)
+
+    def _load(self, program: bytes) -> None:
         import torch
         from executorch.extension.pybindings import portable_lib as pl
 

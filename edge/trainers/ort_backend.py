@@ -10,12 +10,16 @@ else to unpack it)::
      "outputs": ["loss", aux...],
      "checkpoint": "nominal" | "full",                          # nominal: names and shapes only, no values
      "files": {"training_model.onnx": bytes, "checkpoint": bytes,
-               ["eval_model.onnx": bytes, "optimizer_model.onnx": bytes]}}
+               ["eval_model.onnx": bytes, "optimizer_model.onnx": bytes],
+               ["gradient_model.onnx": bytes]}}
 
 The files are what ``onnxruntime.training.artifacts.generate_artifacts`` writes for the objective's graph
 (export/ort.py). Cross-entropy programs (inputs exactly x, y, w) carry ORT's SGD optimizer and eval graphs
 too, for :meth:`OrtTrainer.step` and :meth:`OrtTrainer.evaluate`; every program computes
-:meth:`OrtTrainer.loss_and_grads`.
+:meth:`OrtTrainer.loss_and_grads`. Programs exported since the browser device also carry
+``gradient_model.onnx`` (export/ort.py: gradient_model): the same loss with the gradients as graph outputs, which
+any ONNX Runtime session with the training ops runs (ONNX Runtime Web's training build: clients/web). This device
+does not use it, and a program without it (exported before) loads here as before.
 
 The exporter ships ORT's *nominal* checkpoint by default (a few hundred bytes instead of ~4 bytes per
 parameter): the weights always arrive with the plan. Two traps with it, both handled in :meth:`OrtTrainer.load`:
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 FORMAT = "fedge-ort/2"
 FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
 GRAD_FILES = ("training_model.onnx", "checkpoint")  # objectives whose optimisers run in numpy
+GRADIENT_FILE = "gradient_model.onnx"  # optional: loss and gradients as outputs (the browser device's graph)
 EVAL_CHUNK = 1024
 
 
@@ -58,7 +63,7 @@ def pack_program(meta: dict[str, Any], files: dict[str, bytes], nominal: bool = 
     if missing:
         raise ValueError(f"missing ORT artifacts: {missing}")
     body = {"format": FORMAT, **meta, "checkpoint": "nominal" if nominal else "full",
-            "files": {k: bytes(files[k]) for k in need}}
+            "files": {k: bytes(files[k]) for k in (*need, GRADIENT_FILE) if k in files}}
     return msgpack.packb(body, use_bin_type=True)
 
 

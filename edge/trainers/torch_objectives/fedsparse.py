@@ -18,7 +18,7 @@ import torch
 
 from ...gates import L0_READINGS, LOG_RATIO
 from ...model import input_size, is_module, param_shapes
-from ...subnet import group_sizes, pruned_groups
+from ...subnet import gate_groups, group_sizes, pruned_groups
 from . import nets
 from .objective import Input, Objective, batch_inputs, softplus, weighted_ce
 from .gates import gate, hard_concrete, penalty
@@ -84,6 +84,8 @@ class GatedCrossEntropy(Objective):
             for i, L in enumerate(self.layers):
                 logit_pi = (norms[i] - softplus(p[f"{L}.v"])) / T
                 zs.append(hard_concrete(logit_pi + LOG_RATIO, us[i]))
+            by_layer = dict(zip(self.layers, zs))  # every group of the graph: None where it has no gate
+            zs = [by_layer.get(g.layer) for g in gate_groups(self.spec)]
             logits, _, stats = self.net.run(p, x, w, masks, gates=zs, conv_as_gemm=self.conv_as_gemm)
             loss = weighted_ce(logits, y, w)
             for i, L in enumerate(self.layers):
