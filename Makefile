@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test install clean bench firmware native
+.PHONY: demo test install clean bench firmware native web-deps
 
 $(BIN)/pip:
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,13 @@ demo: $(DEMO_STAMP)
 	$(BIN)/fedge simulate --devices 20 --clients-per-round 10 --rounds 30 --epochs 5 \
 		--out runs/demo/report.json --plot runs/demo/report.png
 
-test: $(STAMP)
+# The browser device's npm packages (clients/web/package-lock.json); without npm its tests say why they skip.
+web-deps:
+	@if [ -d clients/web/node_modules ]; then :; elif command -v npm >/dev/null 2>&1; then \
+		npm ci --prefix clients/web --no-audit --no-fund --silent; \
+	else echo "npm not found: the browser device's tests will skip (apt-get install npm chromium)"; fi
+
+test: $(STAMP) web-deps
 	$(BIN)/python -m pytest -q
 
 firmware: $(STAMP)

@@ -20,7 +20,7 @@ def test_the_makefile_installs_the_demo_apart():
     mk = (ROOT / "Makefile").read_text()
     demo = re.search(r"^demo: (.*)$", mk, re.M)[1].split()
     test = re.search(r"^test: (.*)$", mk, re.M)[1].split()
-    assert demo == ["$(DEMO_STAMP)"] and test == ["$(STAMP)"]
+    assert demo == ["$(DEMO_STAMP)"] and test[0] == "$(STAMP)" and set(test[1:]) <= {"web-deps"}
     demo_rule = mk[mk.index("$(DEMO_STAMP): "):mk.index("\n\n", mk.index("$(DEMO_STAMP): "))]
     full_rule = mk[mk.index("$(STAMP): "):mk.index("\n\n", mk.index("$(STAMP): "))]
     assert '-e ".[coordinator]"' in demo_rule and "dev" not in demo_rule
