@@ -55,14 +55,20 @@ CULPRIT_MARGIN = 0.1
 SCREEN_MARGIN = 0.05
 SCREEN_LOSS = 0.5  # ... or about as accurate, with the test loss falling at least twice as far without them
 SCREEN_BACK = 0.0  # once they are out, a suspect comes back only if the loss falls no less (this share) with it
+# ... and a loss-based verdict needs the step without the suspects to cut the test loss by at least this share of
+# the run's first loss (the initial model's). Near convergence a round moves the loss by thousandths, and the
+# ratio of two such steps is noise: `make demo` left an honest device out of round 30 on 0.2340 against 0.2294
+# from 0.2356 (a step of 0.27% of the first loss, 2.30); a round-1 poisoned step is 2.2% (tests/test_poison.py)
+SCREEN_MIN_GAIN = 0.01
 
 
-def clearly_better(a: dict[str, float], b: dict[str, float], before: float | None, share: float = SCREEN_LOSS
-                   ) -> bool:
+def clearly_better(a: dict[str, float], b: dict[str, float], before: float | None, share: float = SCREEN_LOSS,
+                   first: float | None = None) -> bool:
     """Whether the state evaluated as ``a`` clearly beats ``b`` (RoundMachine._screened), both one round's step
     from a state whose test loss was ``before``: SCREEN_MARGIN more test accuracy; or a step whose test loss falls
     where ``b``'s rises; or, about as accurate (within that margin), a step whose test loss falls and ``b``'s
-    falls at most (1 - share) as far. The loss is read as progress made, not as a level: early rounds sit at chance
+    falls at most (1 - share) as far; these two only when ``a``'s step is at least SCREEN_MIN_GAIN of ``first`` (the
+    run's first loss; ``before`` when not given). The loss is read as progress made, not as a level: early rounds sit at chance
     accuracy, where accuracy is noise (measured: a poisoned round-1 state at 0.18 against 0.09 without the
     poisoner, whose test loss rose from 2.31 to 2.49 where without it it fell to 2.20), and a poisoned step differs
     only in going less far, or back."""
@@ -79,7 +85,7 @@ def clearly_better(a: dict[str, float], b: dict[str, float], before: float | Non
     if before is None or not math.isfinite(before):
         return False
     gain_a, gain_b = before - loss_a, before - loss_b
-    if gain_a <= 0:
+    if gain_a <= 0 or gain_a < SCREEN_MIN_GAIN * (before if first is None else first):
         return False
     if gain_b < 0:
         return True
@@ -265,6 +271,7 @@ class OpenRound:
     # AdmissionRules.guard_memory_mb or restored from partial sums): device -> (plan, report) or (plan, n, diffs)
     kept: dict[str, tuple] | None = field(default_factory=dict)
     kept_bytes: int = 0
+    first_loss: float | None = None  # round 1's screen: the initial model's test loss, if it measured it
 
 
 def task_id(run_id: str, round_: int, attempt: int) -> str:
@@ -1099,14 +1106,15 @@ class RoundMachine:
 
         before = self.history.get("loss")
         if before is None and self.vet is not None:  # round 1: the loss of the model it starts from
-            before = self._loss_of(self.state)
+            before = o.first_loss = self._loss_of(self.state)
+        first = self.history.get("first_loss", before)
         out = list(suspects)
         new, m = without(out)
-        if new is None or not clearly_better(m, metrics, before):
+        if new is None or not clearly_better(m, metrics, before, first=first):
             return None
         for d in reversed(suspects):
             back, mb = without([x for x in out if x != d])
-            if back is not None and not clearly_better(m, mb, before, SCREEN_BACK):
+            if back is not None and not clearly_better(m, mb, before, SCREEN_BACK, first=first):
                 out.remove(d)
                 new, m = back, mb
         why = (f"moving more than {f:g}x the round's median norm per step; test accuracy {acc0:.4f} and loss "
@@ -1196,6 +1204,10 @@ class RoundMachine:
         for k in ("accuracy", "loss"):
             if k in metrics:
                 hist[k] = float(metrics[k])
+        if "first_loss" not in hist:  # the screen's scale (SCREEN_MIN_GAIN): the initial model's loss if round 1
+            first = o.first_loss if o.first_loss is not None else metrics.get("loss")  # measured it, else this one
+            if first is not None and math.isfinite(first):
+                hist["first_loss"] = float(first)
         new.meta = dict(new.meta) | {ADMISSION_KEY: hist}
         self.state = new
         self.last_metrics = metrics
