@@ -96,6 +96,71 @@ def gradient_model(training_model: bytes, params: list[str], shapes: dict[str, l
     return m.SerializeToString()
 
 
+def _lower_relu_grad(n, fresh):
+    """ReluGrad(dY, X) = dY where X > 0, else 0 (ORT's kernel: contrib_ops/cpu/activations: x > 0 ? dy : 0)."""
+    from onnx import helper
+    zero, mask = fresh("zero"), fresh("mask")
+    return [helper.make_node("Constant", [], [zero], value_float=0.0),
+            helper.make_node("Greater", [n.input[1], zero], [mask]),
+            helper.make_node("Where", [mask, n.input[0], zero], [n.output[0]])]
+
+
+def _lower_sigmoid_grad(n, fresh):
+    """SigmoidGrad(dY, Y) = dY * Y * (1 - Y), Y the sigmoid's output."""
+    from onnx import helper
+    one, rest, dy_y = fresh("one"), fresh("one_minus_y"), fresh("dy_y")
+    return [helper.make_node("Constant", [], [one], value_float=1.0),
+            helper.make_node("Sub", [one, n.input[1]], [rest]),
+            helper.make_node("Mul", [n.input[0], n.input[1]], [dy_y]),
+            helper.make_node("Mul", [dy_y, rest], [n.output[0]])]
+
+
+def _lower_log_softmax_grad(n, fresh):
+    """LogSoftmaxGrad_13(dY, Y, axis) = dY - exp(Y) * sum(dY over axis), Y the log-softmax's output."""
+    from onnx import helper
+    axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
+    axes, total, p, scaled = fresh("axes"), fresh("sum_dy"), fresh("softmax"), fresh("p_sum")
+    return [helper.make_node("Constant", [], [axes], value_ints=[axis]),
+            helper.make_node("ReduceSum", [n.input[0], axes], [total], keepdims=1),
+            helper.make_node("Exp", [n.input[1]], [p]),
+            helper.make_node("Mul", [p, total], [scaled]),
+            helper.make_node("Sub", [n.input[0], scaled], [n.output[0]])]
+
+
+# ORT's gradient kernels (com.microsoft domain) that have an exact expression in standard ONNX ops (opset 17).
+# With only these in a graph, any ONNX Runtime runs it: Web's plain build, ORT Mobile on Android and iOS, aarch64
+# Linux, where no ORT training build exists. A convolution's gradient (ConvGrad) has none here: CNN programs keep it.
+STANDARD_LOWERINGS = {"ReluGrad": _lower_relu_grad, "SigmoidGrad": _lower_sigmoid_grad,
+                      "LogSoftmaxGrad_13": _lower_log_softmax_grad}
+
+
+def standard_ops(model_bytes: bytes) -> bytes | None:
+    """The graph with every ORT training kernel replaced by standard ONNX ops (STANDARD_LOWERINGS), or None when
+    it holds one that has no lowering."""
+    import onnx
+
+    m = onnx.load_from_string(model_bytes)
+    g = m.graph
+    contrib = {n.op_type for n in g.node if n.domain not in ("", "ai.onnx")}
+    if not contrib <= set(STANDARD_LOWERINGS):
+        return None
+    counter = iter(range(1 << 30))
+
+    def fresh(what: str) -> str:
+        return f"fedge_std/{what}_{next(counter)}"
+
+    nodes = []
+    for n in g.node:
+        nodes.extend(STANDARD_LOWERINGS[n.op_type](n, fresh) if n.domain not in ("", "ai.onnx") else [n])
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [o for o in m.opset_import if o.domain in ("", "ai.onnx")]
+    del m.opset_import[:]
+    m.opset_import.extend(kept)
+    onnx.checker.check_model(m)
+    return m.SerializeToString()
+
+
 def export_ort(obj: Objective, *, nominal: bool = True) -> bytes:
     """``nominal``: ship ORT's nominal checkpoint (names and shapes, no values): the weights always come with
     the plan, so the program shrinks from ~4 bytes per parameter to a few KB."""
@@ -131,6 +196,6 @@ def export_ort(obj: Objective, *, nominal: bool = True) -> bytes:
         root.setLevel(level)
         tgu.SessionOptions = plain_options
     meta = program_meta(obj)
-    files[ort_backend.GRADIENT_FILE] = gradient_model(files["training_model.onnx"], list(meta["params"]),
-                                                      meta["shapes"])
+    grads = gradient_model(files["training_model.onnx"], list(meta["params"]), meta["shapes"])
+    files[ort_backend.GRADIENT_FILE] = standard_ops(grads) or grads  # standard ops where every kernel lowers
     return ort_backend.pack_program(meta, files, nominal=nominal)

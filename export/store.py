@@ -25,7 +25,7 @@ from .build import build_program
 log = logging.getLogger(__name__)
 
 # Bumped whenever an exporter's output changes meaning, so stale cache keys are never reused.
-EXPORTER_VERSION = 7  # 7: ORT programs carry gradient_model.onnx
+EXPORTER_VERSION = 8  # 7: ORT programs carry gradient_model.onnx; 8: in standard ONNX ops where it can be
 
 
 @dataclass

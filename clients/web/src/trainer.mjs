@@ -1,7 +1,8 @@
 // The trainer: a fedge-ort/2 program (docs/protocol.md section 14) on ONNX Runtime Web. ORT Web's training API
 // returns no gradients, so this runs the program's gradient_model.onnx (export/ort.py: gradient_model: the
 // training graph with the gradients as outputs) as a plain InferenceSession of ORT Web's training build, which
-// has the gradient kernels (ReluGrad, SigmoidGrad, ...). The client halves (algorithms.mjs) own the optimisers.
+// has ORT's gradient kernels for the programs that keep them (a CNN's ConvGrad; an MLP's graph is standard ONNX
+// and any ORT build runs it). The client halves (algorithms.mjs) own the optimisers.
 import { F64, decode } from './msgpack.mjs';
 import { PlanError } from './algorithms.mjs';
 
