@@ -38,6 +38,7 @@ class GatedCrossEntropy(Objective):
             groups = pruned_groups(spec)
             self.layers = [g.layer for g in groups]
             self.units = [g.size for g in groups]
+            self.graph_groups = [g.layer for g in gate_groups(spec)]  # the network's gate slots, gated or not
         else:
             self.units = [int(v) for v in spec["sizes"][1:-1]]
             self.layers = [f"fc{i}" for i in range(len(self.units))]
@@ -85,7 +86,7 @@ class GatedCrossEntropy(Objective):
                 logit_pi = (norms[i] - softplus(p[f"{L}.v"])) / T
                 zs.append(hard_concrete(logit_pi + LOG_RATIO, us[i]))
             by_layer = dict(zip(self.layers, zs))  # every group of the graph: None where it has no gate
-            zs = [by_layer.get(g.layer) for g in gate_groups(self.spec)]
+            zs = [by_layer.get(L) for L in self.graph_groups]
             logits, _, stats = self.net.run(p, x, w, masks, gates=zs, conv_as_gemm=self.conv_as_gemm)
             loss = weighted_ce(logits, y, w)
             for i, L in enumerate(self.layers):

@@ -711,9 +711,8 @@ class Network:
             z = gates[gi]
             if z is None:  # a group without a gate (a residual stream: edge/subnet.py pruned_groups)
                 pieces.append(x.new_ones(self.sizes[gi] * span))
-                at = off + self.sizes[gi] * span
-                continue
-            pieces.append(z.unsqueeze(1).expand(z.shape[0], span).reshape(-1) if span > 1 else z)
+            else:
+                pieces.append(z.unsqueeze(1).expand(z.shape[0], span).reshape(-1) if span > 1 else z)
             at = off + self.sizes[gi] * span
         if at < n:
             pieces.append(x.new_ones(n - at))
