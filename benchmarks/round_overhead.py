@@ -50,6 +50,8 @@ other devices still train) shows in ``coordinator_busy_s`` but not in the stages
 processes used over the rounds, divided by the rounds, and ``cores_busy``, their sum over the rounds' wall time.
 It says how close to the machine's limit a round is: on 2 cores a round cannot take less wall time than half
 its CPU, whatever the overlap, while the floor spends about its round time on one core.
+``page_faults_per_round``: the minor page faults of the same processes, per round (large buffers mapped afresh
+show there: edge/runtime/allocator.py).
 """
 from __future__ import annotations
 
@@ -350,6 +352,14 @@ def critical_paths(tl: Timeline, dev_events: list[tuple]) -> list[dict[str, Any]
     return rows
 
 
+def _minflt(pid: int) -> int:
+    """Minor page faults of a process so far (/proc/PID/stat's 10th field; 0 where there is no /proc)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) used so far by this process (the coordinator and the benchmark's timers), by
     the broker and by the device processes: the CPU a round costs, beside the time it takes."""
@@ -361,6 +371,7 @@ def cpu_seconds() -> dict[str, float]:
             t = p.cpu_times()
             role = "coordinator" if p.pid == me.pid else "broker" if p.name() == "mosquitto" else "devices"
             out[role] += t.user + t.system
+            out[f"{role}_faults"] = out.get(f"{role}_faults", 0.0) + _minflt(p.pid)
         except psutil.Error:  # a process that ended between the listing and the read
             pass
     return out
@@ -404,9 +415,11 @@ def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
     summaries = [s for _, s in tl.commit_log]
     rep = run_report(strategy=cfg.strategy, runtime="torch", devices=cfg.devices, clients_per_round=cfg.clients_per_round,
                      rounds=summaries, wall_s=wall, seed=cfg.seed)
-    cpu = {k: (cpu1[k] - cpu0[k]) / max(1, len(summaries)) for k in cpu0}
+    per = {k: (cpu1[k] - cpu0[k]) / max(1, len(summaries)) for k in cpu0}
+    cpu = {k: v for k, v in per.items() if not k.endswith("_faults")}
+    faults = {k.removesuffix("_faults"): round(v) for k, v in per.items() if k.endswith("_faults")}
     return {"rows": rows, "summaries": summaries, "report": rep, "wall_s": wall, "timeline": tl, "events": events,
-            "cpu_s_per_round": cpu, "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
+            "cpu_s_per_round": cpu, "page_faults_per_round": faults, "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
 
 
 def summarise(fedge: dict, floors: list[dict], cfg) -> dict[str, Any]:
@@ -439,6 +452,7 @@ def summarise(fedge: dict, floors: list[dict], cfg) -> dict[str, Any]:
         "coordinator_busy_s_median": statistics.median([r["coordinator_busy_s"] for r in rows]),
         # CPU a round costs, by process (mean over the run): the floor spends about its round time on one core
         "cpu_s_per_round": fedge["cpu_s_per_round"],
+        "page_faults_per_round": fedge["page_faults_per_round"],
         "cores_busy": fedge["cores_busy"],
         "unaccounted_s_max": max(abs(r["unaccounted_s"]) for r in rows),
         "run_report_wall_s_median": statistics.median([s["wall_s"] for s in fedge["summaries"]]),
@@ -471,6 +485,7 @@ def table(res: dict) -> str:
     lines.append(f"CPU per round: {1e3 * sum(cpu.values()):.0f} ms (" + ", ".join(
         f"{k} {1e3 * v:.0f}" for k, v in cpu.items()) + f"), {res['cores_busy']:.2f} of {res['cpus']} cores busy; "
         f"the floor: about {1e3 * res['floor_median_round_s']:.0f} ms on one core")
+    lines.append("page faults per round: " + ", ".join(f"{k} {v}" for k, v in res["page_faults_per_round"].items()))
     lines.append("slowest rounds: " + "; ".join(
         f"{r['round']}: {1e3 * r['round_s']:.0f} ms ({max(STAGES, key=lambda k: r['stages'][k])} "
         f"{1e3 * max(r['stages'].values()):.0f} ms)" for r in res["slowest_rounds"]))

@@ -270,11 +270,9 @@ def _check_range(name: str, a: np.ndarray, bound: float) -> None:
 
 
 def _delta_rows(plan: DevicePlan, name: str, t: TensorUpdate) -> np.ndarray:
-    """w_s - w over the rows the device sent (a gradient as it is), in float64 (a sampled row divided by its
-    inclusion probability, as the strategy will read it)."""
+    """w_s - w over the rows the device sent (a gradient or a difference as it is), in float64. Not for
+    sampled rows: :func:`clip_report` scales those as they came, keeping their probabilities."""
     v = t.values.astype(np.float64)
-    if t.sampled:
-        v = v / t.probs.reshape((-1,) + (1,) * (v.ndim - 1))
     if plan.upload.get("delta") or plan.update == "gradient":
         return v
     w = plan.weights[name]

@@ -120,7 +120,11 @@ ensure_binfmt() {
     [[ -f "$reg" ]] && what="registered with interpreter '${interp:-none}', which is missing or disabled"
     [[ $EUID -eq 0 ]] || die "qemu-aarch64 is $what in binfmt_misc; as root: $0 binfmt (or update-binfmts --enable qemu-aarch64)"
     local qemu; qemu=$(command -v qemu-aarch64-static) || die "no qemu-aarch64-static: apt-get install qemu-user-static"
-    if [[ -f "$reg" ]]; then echo -1 > "$reg" || die "cannot remove the stale registration $reg"; fi
+    # writes to binfmt_misc: the shell's own message (the kernel's reason) goes into the one error line
+    local err
+    if [[ -f "$reg" ]]; then
+        err=$({ echo -1 > "$reg"; } 2>&1) || die "cannot remove the stale registration $reg: ${err##*: }"
+    fi
     # Debian's way first (binfmt-support's database, the package's flags); then the kernel's own interface,
     # with qemu's aarch64 ELF magic and mask (qemu's scripts/qemu-binfmt-conf.sh) and F: the interpreter is
     # opened now, so it works inside the rootfs too. Another FEDGE_BINFMT_DIR is never given to update-binfmts.
@@ -129,8 +133,9 @@ ensure_binfmt() {
     fi
     if [[ ! -f "$reg" ]]; then
         [[ -e "$BINFMT/register" ]] || die "no $BINFMT/register: cannot register qemu-aarch64"
-        printf '%s\n' ':qemu-aarch64:M::\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00:\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff:'"$qemu"':F' \
-            > "$BINFMT/register" || die "the kernel refused the qemu-aarch64 registration ($BINFMT/register)"
+        err=$({ printf '%s\n' ':qemu-aarch64:M::\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00:\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff:'"$qemu"':F' \
+            > "$BINFMT/register"; } 2>&1) \
+            || die "the kernel refused the qemu-aarch64 registration ($BINFMT/register): ${err##*: }"
     fi
     [[ -f "$reg" ]] && grep -q '^enabled' "$reg" \
         || die "qemu-aarch64 is still not registered in $BINFMT after registering it (update-binfmts, $BINFMT/register)"

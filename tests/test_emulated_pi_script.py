@@ -38,10 +38,33 @@ def test_bad_input_is_one_line_and_exit_2(args, env, says):
     assert p.returncode == 2 and says in _one_error_line(p)
 
 
+def _stub_qemu(tmp_path: Path) -> dict[str, str]:
+    """PATH with a stand-in qemu-aarch64-static first, so that the registration steps run the same whether or not
+    this machine has qemu-user-static (a fresh machine has not)."""
+    bin_dir = tmp_path / "stub-bin"
+    bin_dir.mkdir()
+    qemu = bin_dir / "qemu-aarch64-static"
+    qemu.write_text("#!/bin/sh\nexit 0\n")
+    qemu.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _binfmt_dir(tmp_path: Path, register: bool) -> Path:
+    """A stand-in for a mounted binfmt_misc where qemu-aarch64 was never registered: a status file, the kernel's
+    register file if ``register``, no qemu-aarch64 entry."""
+    d = tmp_path / "binfmt_misc"
+    d.mkdir()
+    (d / "status").write_text("enabled\n")
+    if register:
+        (d / "register").write_text("")
+    return d
+
+
 def test_missing_registration_is_registered_or_named(tmp_path):
     """What ended the script with status 2 and no word: qemu-aarch64 not yet registered with binfmt_misc."""
-    (tmp_path / "status").write_text("enabled\n")
-    p = _run("binfmt", FEDGE_BINFMT_DIR=str(tmp_path))
+    env = _stub_qemu(tmp_path)
+    tmp_path = _binfmt_dir(tmp_path, register=False)
+    p = _run("binfmt", FEDGE_BINFMT_DIR=str(tmp_path), **env)
     assert p.returncode == 1
     line = _one_error_line(p)
     if os.geteuid() != 0:  # says what to do
@@ -49,10 +72,61 @@ def test_missing_registration_is_registered_or_named(tmp_path):
         return
     assert f"no {tmp_path}/register" in line  # no way to register: named
     (tmp_path / "register").write_text("")
-    p = _run("binfmt", FEDGE_BINFMT_DIR=str(tmp_path))
+    p = _run("binfmt", FEDGE_BINFMT_DIR=str(tmp_path), **env)
     # registered through the kernel's interface (here a plain file, so the entry never appears: named)
     assert (tmp_path / "register").read_text().startswith(":qemu-aarch64:M::\\x7fELF\\x02")
     assert p.returncode == 1 and "still not registered" in _one_error_line(p)
+
+
+def test_mounted_but_never_registered_is_one_line(tmp_path):
+    """binfmt_misc mounted (status and register files) and qemu-aarch64 never registered, the fresh machine's
+    case: not root, one line saying so and what to run, nothing written; root, the registration is written to
+    the register file (qemu's aarch64 magic, this qemu-aarch64-static, flag F) and, as the entry does not appear
+    in a plain directory, one line saying it is still not registered. Never the silent exit 2."""
+    env = _stub_qemu(tmp_path)
+    d = _binfmt_dir(tmp_path, register=True)
+    p = _run("binfmt", FEDGE_BINFMT_DIR=str(d), **env)
+    assert p.returncode == 1, p.stderr
+    line = _one_error_line(p)
+    assert not (d / "qemu-aarch64").exists()
+    if os.geteuid() != 0:
+        assert "qemu-aarch64 is not registered in binfmt_misc" in line and "as root" in line
+        assert (d / "register").read_text() == ""
+        return
+    written = (d / "register").read_text()
+    assert written.startswith(":qemu-aarch64:M::\\x7fELF\\x02") and written.endswith(
+        f":{tmp_path}/stub-bin/qemu-aarch64-static:F\n"), written
+    assert f"qemu-aarch64 is still not registered in {d}" in line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the registration steps run as root only")
+def test_a_refused_registration_is_one_line_with_the_reason(tmp_path):
+    """The kernel refusing the write to register (here: register is a directory) is one line with its reason,
+    not the shell's message and then the script's."""
+    env = _stub_qemu(tmp_path)
+    d = _binfmt_dir(tmp_path, register=False)
+    (d / "register").mkdir()
+    p = _run("binfmt", FEDGE_BINFMT_DIR=str(d), **env)
+    assert p.returncode == 1
+    line = _one_error_line(p)
+    assert "refused the qemu-aarch64 registration" in line and "Is a directory" in line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the registration steps run as root only")
+def test_no_qemu_to_register_is_one_line(tmp_path):
+    """Root, qemu-aarch64 never registered and no qemu-aarch64-static on PATH (qemu-user-static not installed):
+    one line naming the package. PATH holds only the tools the step uses."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for t in ("bash", "sed", "grep", "seq", "dirname", "cat", "date", "awk"):
+        if (w := shutil.which(t)) and "qemu" not in w:
+            (tools / t).symlink_to(w)
+    d = _binfmt_dir(tmp_path, register=True)
+    p = subprocess.run([str(tools / "bash"), str(SCRIPT), "binfmt"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": str(tools), "FEDGE_BINFMT_DIR": str(d)})
+    assert p.returncode == 1
+    assert "no qemu-aarch64-static: apt-get install qemu-user-static" in _one_error_line(p)
+    assert (d / "register").read_text() == ""
 
 
 def test_a_registration_whose_interpreter_is_gone_is_named_and_a_good_one_passes(tmp_path):

@@ -127,6 +127,35 @@ def _report(dp, device, zs, delta, n=10):
     return Report("r1a1", device, n, {}, tens)
 
 
+def test_server_threshold_step_follows_the_annealed_temperature():
+    """Mid-anneal (round 5 of T 0.1 -> 0.01 over rounds 3-6), with ``v_lr_follows_T``: line 8's gradient uses
+    this round's T_r, and Adamax's rate is server_v_lr * T_r / T (the same logit step at every T). At T_r / T =
+    3.16 a rate that ignored, inverted or mis-timed the scale moves v by a different amount."""
+    fs = FedSparse(spec=SPEC, preset="mid", prune_below=0.0, T_start=0.1, T=0.01, anneal_from=2, anneal_rounds=4,
+                   v_lr_follows_T=True)
+    st0 = _state(fs)
+    st = ServerState(4, st0.weights, st0.opt, st0.meta)  # committed round 4: this is round 5
+    T_r = math.exp(0.5 * math.log(0.1) + 0.5 * math.log(0.01))  # f = (5 - 1 - 2) / 4
+    dp = fs.plan(st, "a", {})
+    z1 = {0: np.array([1, 0, 1, 1, 0], bool), 1: np.array([1, 1, 0, 1], bool)}
+    z2 = {0: np.array([1, 1, 1, 0, 0], bool), 1: np.array([0, 1, 1, 1], bool)}
+    acc = fs.begin(st)
+    fs.accumulate(st, acc, dp, _report(dp, "a", z1, 0.01))
+    fs.accumulate(st, acc, dp, _report(dp, "b", z2, -0.03, n=7))
+    new = fs.finish(st, acc)
+    assert new.round == 5
+    for i in (0, 1):
+        k = f"fc{i}.weight"
+        v = st.opt[f"v/fc{i}"].astype(np.float64)
+        theta = sig((gates.group_norms(st.weights[k], st.weights[f"fc{i}.bias"]) - np.log1p(np.exp(v))) / T_r)
+        gv = -((z1[i] - theta) + (z2[i] - theta)) * sig(v) / T_r
+        np.testing.assert_allclose(acc.grad_v[f"fc{i}"], gv, rtol=1e-5, atol=1e-8)  # line 8 at T_r, summed
+        # first Adamax step: m_hat = g, u = |g| + eps: a step of the rate times g / (|g| + eps), ascent
+        want = v + 0.01 * (T_r / 0.01) * gv / (np.abs(gv) + 1e-8)
+        np.testing.assert_allclose(new.opt[f"v/fc{i}"], want, rtol=0, atol=1e-6)
+        assert np.abs(want - v).max() > 0.03  # the scale is visible: 3.16x the unscaled 0.01
+
+
 def test_server_step_matches_numpy_reference():
     """Alg. 1 lines 7-9 on two reports: Adam on the masked differences, Adamax on the thresholds."""
     fs = FedSparse(spec=SPEC, preset="mid", prune_below=0.0)  # no pruning here: tested separately

@@ -138,10 +138,13 @@ def test_clearly_better_every_branch_at_its_boundary():
     assert clearly_better(A(0.5, 1.0), A(0.5, math.nan), 2.0)
     assert not clearly_better(A(0.5, 1.0), A(0.5, 3.0), None)
     assert not clearly_better(A(0.5, 2.0), A(0.5, 2.5), 2.0)  # (4) our gain 0
-    # (4') a gain of exactly SCREEN_MIN_GAIN of the first loss may decide (0.01 x 100 = 1.0 exactly), less may not
+    # (4') a gain of exactly SCREEN_MIN_GAIN of the first loss may decide (0.01 x 100 = 1.0 exactly), less may not;
+    # against a rising other, the distance between the two steps counts instead of our step alone
     assert SCREEN_MIN_GAIN * 100.0 == 1.0
-    assert clearly_better(A(0.5, 1.0), A(0.5, 2.5), 2.0, first=100.0)
-    assert not clearly_better(A(0.5, 1.0), A(0.5, 2.5), 2.0, first=100.0 + 2 ** -40)
+    assert clearly_better(A(0.5, 1.0), A(0.5, 2.0), 2.0, first=100.0)
+    assert not clearly_better(A(0.5, 1.0), A(0.5, 2.0), 2.0, first=100.0 + 2 ** -40)
+    assert clearly_better(A(0.5, 1.5), A(0.5, 2.5), 2.0, first=100.0)  # 0.5 down against 0.5 up: 1.0 apart
+    assert not clearly_better(A(0.5, 1.5), A(0.5, 2.25), 2.0, first=100.0)  # 0.75 apart
     assert clearly_better(A(0.1, 1.5), A(0.5, 2.5), 2.0)  # the other's loss rises: ours wins at any accuracy
     assert not clearly_better(A(0.125, 1.5), A(0.5, 2.0), 2.0)  # (5) its gain 0, we are far less accurate
     assert SCREEN_LOSS == 0.5
@@ -151,3 +154,29 @@ def test_clearly_better_every_branch_at_its_boundary():
     assert not clearly_better(A(np.nextafter(behind, 0), 1.0), A(0.5, 1.5), 2.0)
     assert clearly_better(A(0.5, 1.0), A(0.5, 1.25), 2.0, share=0.25)  # 0.75 = (1 - 0.25) x 1
     assert not clearly_better(A(0.5, 1.0), A(0.5, 1.25), 2.0, share=0.5)
+
+
+@pytest.mark.parametrize("bound", [1e6, 4.0, 0.5])
+def test_values_at_the_range_bound_pass_and_beyond_it_are_refused(bound):
+    """max_abs_value is inclusive on both sides: -bound and +bound pass, the next float32 beyond either is
+    refused, and so is a NaN (it fails both comparisons)."""
+    from coordinator.admission import _check_range
+    edge = np.array([-bound, 0.0, bound], np.float32)
+    _check_range("w", edge, bound)
+    _check_range("w", np.array([], np.float32), bound)
+    for bad in (np.nextafter(np.float32(-bound), np.float32(-np.inf)), np.nextafter(np.float32(bound), np.float32(np.inf)),
+                np.float32(np.nan)):
+        with pytest.raises(ReportRejected, match="magnitude above"):
+            _check_range("w", np.array([0.0, bad], np.float32), bound)
+
+
+@pytest.mark.parametrize("hp, n, steps", [({"epochs": 3, "batch_size": 4}, 9, 9), ({"epochs": 1, "batch_size": 4}, 8, 2),
+                                          ({"epochs": 0, "batch_size": 4}, 9, 1), ({"epochs": 2, "batch_size": 0}, 9, 1),
+                                          ({"epochs": 2, "batch_size": 4}, 0, 1), ({"epochs": 2.0, "batch_size": 4}, 9, 1),
+                                          ({}, 9, 1)])
+def test_local_steps_count_batches_and_a_plan_that_steps_nowhere_counts_one(hp, n, steps):
+    """epochs x ceil(n / batch_size) (an uneven last batch is a step); a plan without whole positive epochs and
+    batch size, or a device without samples, counts one step, never zero (a norm bound of zero would refuse
+    every report)."""
+    from types import SimpleNamespace
+    assert AD.local_steps(SimpleNamespace(hparams=hp), n) == steps

@@ -200,3 +200,118 @@ def test_downlink_reconstruction_is_what_the_device_decodes():
         if code in ("q8", "q8r"):  # absolute: b's grid is its own range, not b - held["b"]'s
             assert np.abs(recon["b"] - new["b"]).max() <= np.abs(new["b"]).max() / 127
         np.testing.assert_allclose(dev["a"] - held["a"], arrays["a"].astype(np.float32), atol=1e-7)
+
+
+@pytest.mark.parametrize("n, k", [(10, 0), (10, 4), (10, 5), (10, 6), (10, 9), (10, 10), (11, 5), (11, 6), (1, 1)])
+def test_a_support_is_kept_by_its_minority_whichever_way_it_is_given(n, k):
+    """From rows or from a mask, the support stores the smaller side (ties: the active rows), so its mask code
+    costs the minority's bits; both give the same support and the same active rows."""
+    rng = np.random.default_rng(n * 100 + k)
+    rows = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+    mask = np.zeros(n, bool)
+    mask[rows] = True
+    want_inactive = k > n - k
+    want_rows = np.flatnonzero(~mask) if want_inactive else rows
+    for s in (C.support_of_rows(n, rows), C.support(mask)):
+        assert s.n == n and s.k == k and s.inactive == want_inactive
+        assert s.rows.dtype == np.int64 and s.rows.tolist() == want_rows.tolist()
+        assert s.active().tolist() == rows.tolist() and s.mask().tolist() == mask.tolist()
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("last, ok", [(18, True), (19, True), (20, False), (21, False)])
+def test_golomb_rows_past_n_are_refused_in_either_section_layout(M, last, ok):
+    """A stream whose last row is n or beyond (a hostile or corrupt mask) is a CodecError, both where the rows
+    are section C's zeros themselves (M = 1) and where they are rebuilt from quotients and remainders; n - 1
+    itself decodes."""
+    n = 20
+    rows = np.array([2, 5, 6, last], np.int64)
+    data = C.golomb_encode(C.Support(n, rows, False), M=M)  # the encoder trusts its caller; the decoder may not
+    if ok:
+        assert C.golomb_decode(data, n, len(rows)).tolist() == rows.tolist()
+    else:
+        with pytest.raises(C.CodecError, match="past"):
+            C.golomb_decode(data, n, len(rows))
+
+
+@pytest.mark.parametrize("rows", [[1, 1, 3], [3, 2], [-1, 2], [0, 10], [2, 4, 4]])
+def test_rows_that_are_not_a_support_are_refused(rows):
+    """Repeated, unordered or out-of-range rows (0..n-1, strictly increasing) are not a support: a repeat would
+    count a row twice in k and in the code."""
+    with pytest.raises(ValueError, match="strictly increasing"):
+        C.support_of_rows(10, np.array(rows))
+
+
+def test_golomb_default_parameter_is_the_cheapest_for_every_small_support():
+    """Every support of n <= 9 rows (n = 1 included: M's only value is n itself): the default M's stream decodes to
+    the rows and is no longer than the stream of any M in 1..n (the format's choice, which a sender could get
+    wrong and still be read)."""
+    import itertools
+    for n in range(1, 10):
+        for k in range(1, n + 1):
+            for rows in itertools.combinations(range(n), k):
+                s = C.Support(n, np.array(rows, np.int64), False)
+                data = C.golomb_encode(s)
+                assert C.golomb_decode(data, n, k).tolist() == list(rows)
+                assert len(data) == min(len(C.golomb_encode(s, M)) for M in range(1, n + 1)), (n, rows)
+
+
+@pytest.mark.parametrize("n, K", [(8, 1), (16, 2), (4, 2)])
+def test_enum_rank_at_the_count_of_supports_is_refused(n, K):
+    """An enum code is a rank in 0..C(n, K) - 1; C(n, K) itself (which fits in the field whenever it is a power
+    of two or below one) names no support."""
+    total = math.comb(n, K)
+    width = ((total - 1).bit_length() + 7) // 8
+    last = C.enum_decode((total - 1).to_bytes(width, "big"), n, K)
+    assert last.tolist() == list(range(n - K, n))  # the largest rank: the last K rows
+    if total < 256 ** width:
+        with pytest.raises(C.CodecError, match="out of range"):
+            C.enum_decode(total.to_bytes(width, "big"), n, K)
+
+
+@pytest.mark.parametrize("n, rows, M", [(40, [3, 9, 10, 22, 37], 5), (40, [3, 9, 10, 22, 37], 6),
+                                        (30, [0, 1, 2, 29], 3), (12, [4, 11], 1)])
+def test_a_cut_or_flipped_golomb_stream_is_a_codec_error_or_a_valid_support(n, rows, M):
+    """What comes off the network: every truncation and every single-bit flip of a valid stream decodes to rows
+    inside 0..n-1, strictly increasing, or raises CodecError; nothing else escapes (an IndexError or a numpy
+    broadcast error would be a traceback in the daemon, not a dropped message)."""
+    data = C.golomb_encode(C.Support(n, np.array(rows, np.int64), False), M=M)
+    K = len(rows)
+    variants = [data[:i] for i in range(len(data))]
+    variants += [bytes(b ^ (1 << j) if i == at else b for i, b in enumerate(data)) for at in range(len(data))
+                 for j in range(8)]
+    for v in variants:
+        try:
+            got = C.golomb_decode(v, n, K)
+        except C.CodecError:
+            continue
+        assert len(got) == K and (got >= 0).all() and (got < n).all() and (np.diff(got) > 0).all(), v
+
+
+def test_golomb_stream_that_ends_inside_its_remainder_bits_is_refused():
+    """M = 3 (b = 2, u = 1): each row's first remainder bit h says whether a second bit follows. A stream whose h
+    bits all say "long" but that ends after K more bits (enough for the K terminators, not for the K extra
+    remainder bits) is truncated: a CodecError, not a numpy shape error."""
+    n, K, M = 200, 16, 3
+    rows = np.arange(0, 10 * K, 10, dtype=np.int64)
+    bits = C._bits_of(C.golomb_encode(C.Support(n, rows, False), M=M))
+    lz = int(np.flatnonzero(bits)[0])
+    pos = 2 * lz + 1  # past the parameter's Elias gamma code
+    forged = np.concatenate([bits[:pos], np.ones(K, np.uint8), np.zeros(K, np.uint8)])
+    data = C._bytes_of_bits(forged)
+    assert 8 * len(data) - len(forged) < K  # the padding cannot supply the missing bits
+    with pytest.raises(C.CodecError, match="truncated remainders"):
+        C.golomb_decode(data, n, K)
+
+
+@pytest.mark.parametrize("n", [50, 300, 1000])
+def test_golomb_default_parameter_is_the_cheapest_on_larger_masks(n):
+    """The candidates (the estimate, Gallager and Van Voorhis' optimum for geometric gaps and its neighbours)
+    contain the cheapest M: on random supports from one row to half the mask, no M in 1..n gives fewer bytes."""
+    rng = np.random.default_rng(n)
+    for k in sorted({1, 2, 3, 5, 10, 30, n // 10, n // 4, n // 2 - 1}):
+        rows = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+        s = C.Support(n, rows, False)
+        data = C.golomb_encode(s)
+        assert C.golomb_decode(data, n, k).tolist() == rows.tolist()
+        assert len(data) == min(len(C.golomb_encode(s, M)) for M in range(1, n + 1)), (n, k)

@@ -298,3 +298,19 @@ def test_flops_server_mean_is_weighted_by_samples_and_prunes_dense():
     assert float(new.opt["lambda"][0]) == pytest.approx(max(0.0, 2.0 * c) if c > 0 else 0.0, abs=1e-12)
     hp = s.hparams(new)  # one step from the same point per exchange, never the client's own pruning
     assert (hp.steps, hp.epochs, hp.prune) == (1, 1, False) and hp.lam == float(new.opt["lambda"][0])
+
+
+@pytest.mark.parametrize("cls", [FLoPSPA, FLoPS])
+@pytest.mark.parametrize("kw, ok", [({"rho": 0.0}, False), ({"rho": 1.0}, True), ({"rho": 1.0001}, False),
+                                    ({"rho": -0.1}, False), ({"rho0": 0.0}, False), ({"rho0": 1.0}, False),
+                                    ({"rho0": 0.999}, True), ({"rho": 1e-9}, True)])
+def test_density_targets_are_checked_at_their_edges(cls, kw, ok):
+    """rho in (0, 1]: a density of 0 keeps nothing (n_keep would quietly keep one weight), 1 is a dense run;
+    rho0, the initial gate density, in (0, 1): at 0 or 1 its log-odds are infinite."""
+    args = dict(spec=mlp([4, 3]), loss="mse", bias=False) | kw
+    if ok:
+        s = cls(**args)
+        assert s.k == max(1, min(s.n, round(s.rho * s.n)))
+    else:
+        with pytest.raises(ValueError, match="rho"):
+            cls(**args)

@@ -103,7 +103,7 @@ def test_sfvi_avg_client_against_reference(tmp_path, monkeypatch):
     loc = init_local(m, f, np.random.default_rng(salt))
     ga, la = RefAdam(lr), RefAdam(lr)
     order = np.random.default_rng(3)
-    k = 0
+    k, losses = 0, []
     for _ in range(2):
         perm = order.permutation(n)
         for i in range(0, n, 3):
@@ -117,11 +117,14 @@ def test_sfvi_avg_client_against_reference(tmp_path, monkeypatch):
                     "eps_G": eG.astype(np.float32), "eps_L": eL.astype(np.float32), "klw": np.float32(N / n),
                     "gmask": np.ones(3, np.float32)}
             feed |= {kk: v.astype(np.float32) for kk, v in sg_inputs(loc, g32).items()}
-            _, g, _ = t.loss_and_grads(feed)
-            _, gl0 = global_term(m, {kk: v.astype(np.float64) for kk, v in g32.items()}, eG)
+            lk, g, _ = t.loss_and_grads(feed)
+            l0, gl0 = global_term(m, {kk: v.astype(np.float64) for kk, v in g32.items()}, eG)
+            losses.append(float(lk) - float(l0))  # the device's loss is -ELBO: its own term less L_0
             ga.step(glob, {kk: -g[kk].astype(np.float64) + gl0[kk] for kk in glob})
             la.step(loc, {kk: -g[kk].astype(np.float64) for kk in loc})
     assert k == 6 and rep.metrics["steps"] == 6
+    # the reported train_loss: the mean over steps of the negative ELBO estimate (float32 loss, float64 L_0)
+    assert rep.metrics["train_loss"] == pytest.approx(np.mean(losses), rel=1e-5, abs=1e-5)
     # Adam's steps are lr * (a ratio of moments); the inputs match to float32 rounding, so each of the 6 steps
     # agrees to a few float32 ulps of lr (the moments' ratio moves by about as much as its gradient's rounding)
     atol = 6 * 16 * EPS32 * max(1.0, max(np.abs(v).max() for v in glob.values()))
@@ -274,3 +277,51 @@ def test_bnn_priors_with_sds_that_are_not_one():
     logq = (-0.5 * eL.astype(np.float64) ** 2 - W["qL.s"] - 0.5 * math.log(2 * math.pi)).sum()
     # float32 sums of m.n_L = 42 terms of size <= 10: 64 ulps of the total's magnitude
     assert float(l1) - float(l0) == pytest.approx(-(logp - logq), abs=64 * EPS32 * (abs(logp) + abs(logq) + 10))
+
+
+@pytest.mark.parametrize("samples", [0, 1, 3])
+def test_bnn_predictive_is_the_mean_of_softmaxes_over_the_device_s_draws(tmp_path, samples):
+    """predict_proba on the hierarchical BNN: the softmax of each draw's logits, averaged over ``samples`` draws
+    of (eps_G, eps_L) from rng(seed) in that order (0: one pass at q's means). The reference draws the noise,
+    runs the objective program (checked against a handwritten network in tests/test_sfvi.py) and normalises and
+    averages here, in float64: a mean of logits, an unnormalised exp or a sum would each differ."""
+    spec, lay = mlp([3, 4, 3]), {"head": "local", "sigma": "weight"}
+    m, f = build_model(spec, lay)
+    t = trainer(spec, lay)
+    state = LocalState(tmp_path / "dev")
+    _, _, eta, adam, salt = ES.load_local(state, t)
+    rng = np.random.default_rng(8)
+    eta = {k: v + rng.normal(size=v.shape) * 0.3 for k, v in eta.items()}  # a posterior that is not q's start
+    ES.save_local(state, t, eta, adam, salt)
+    glob = {k: (v + rng.normal(size=v.shape) * 0.5).astype(np.float32) for k, v in init_global(m, f, 1).items()}
+    x = rng.normal(size=(6, 3)).astype(np.float32) * 2
+    got = ES.predict_proba(t, glob, state, x, samples=samples, seed=4)
+
+    draws = np.random.default_rng(4)
+    want = np.zeros((6, 3))
+    for _ in range(max(samples, 1)):
+        eG = draws.standard_normal(m.n_G) if samples else np.zeros(m.n_G)
+        eL = draws.standard_normal(m.n_L) if samples else np.zeros(m.n_L)
+        t.set_weights({k: v for k, v in glob.items() if k in t.params} | {k: v.astype(np.float32) for k, v in eta.items()})
+        feed = {"x": x, "y": np.zeros(6, np.int64), "w": np.zeros(6, np.float32), "klw": np.float32(0),
+                "eps_G": eG.astype(np.float32), "eps_L": eL.astype(np.float32)} | ES.stop_grad_inputs(eta, glob, f)
+        lg = t.loss_and_grads(feed)[2]["logits"].astype(np.float64)
+        want += np.exp(lg - lg.max(1, keepdims=True)) / np.exp(lg - lg.max(1, keepdims=True)).sum(1, keepdims=True)
+    want /= max(samples, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.sum(1), 1.0, atol=1e-12)
+    assert want.max() - want.min() > 0.2  # the classes are told apart: a wrong average moves them
+
+
+@pytest.mark.parametrize("g, ok", [([0, 1, 2, 2], True), ([0, 3], False), ([-1, 0], False), ([0.5, 1], False),
+                                   ([2, 0, 3], False)])
+def test_group_ids_outside_the_model_s_groups_are_refused(g, ok):
+    """ranef's group column: whole numbers in [0, groups); the mask opens the first max + 1 slots."""
+    from edge.algorithms.base import PlanError
+    m, _ = build_model(SPEC, FULL)
+    x = np.c_[np.array(g, np.float32), np.ones((len(g), 2), np.float32)]
+    if ok:
+        assert ES.group_mask(m, x)["gmask"].tolist() == [1.0, 1.0, 1.0]
+    else:
+        with pytest.raises(PlanError, match="group ids"):
+            ES.group_mask(m, x)

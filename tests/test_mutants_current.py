@@ -54,3 +54,19 @@ def test_an_unknown_id_is_one_line_and_exit_2():
     p = subprocess.run([sys.executable, "benchmarks/mutants.py", "--list", "--only", "no.such-mutant"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "no.such-mutant" in p.stderr
+
+
+def test_random_mutants_areas_and_equivalents_match_the_source():
+    """benchmarks/random_mutants.py: every area's files and tests exist, every area has lines to mutate, a seed
+    draws the same mutants twice, and each recorded equivalent mutant still names a line of its file (else
+    its reason no longer covers anything, and a survivor of that line would be hidden under a stale excuse)."""
+    from benchmarks import random_mutants as RM
+    for area, (files, tests) in RM.AREAS.items():
+        for f in [*files, *tests]:
+            assert (ROOT / f).is_file(), (area, f)
+        assert len([c for f in files for c in RM.candidates(f)]) >= 20, area
+    ids = [(m.id, m.new) for m in RM.draw(sorted(RM.AREAS), 3, seed=7)]
+    assert ids == [(m.id, m.new) for m in RM.draw(sorted(RM.AREAS), 3, seed=7)] and len(ids) == 3 * len(RM.AREAS)
+    for (f, old, new), why in RM.EQUIVALENT.items():
+        lines = [ln.strip() for ln in (ROOT / f).read_text().splitlines()]
+        assert lines.count(old) == 1 and old != new and why, (f, old)

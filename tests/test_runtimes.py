@@ -10,13 +10,19 @@
 SFVI's devices draw their private noise from a salt they pick themselves: the devices compared here start from
 one saved state (``seed_state``), so they draw the same noise.
 
-Tolerance 1e-4 of each tensor's largest entry. At FedSparse's T = 1e-3, one float32 ulp of softplus(v) moves
-logit(pi) = (norm - softplus(v)) / T by ~5e-5, and ExecuTorch's kernels round softplus differently from
-torch's: measured gradient errors there are up to ~7e-5; everywhere else they are ~1e-6.
+The objective comparison's tolerances come from the computation's float32 rounding, not from one machine
+(issue 28): each runtime's float32 result (torch's too) is compared with the same objective evaluated in float64
+(export.golden.float64_reference), within a bound that the float32 rounding error model gives for that quantity
+at that point (:class:`Float32Rounding`). Two runtimes summing in different orders are then two draws of the same
+rounding, each within the bound, instead of one of them being the yardstick of the other. At FedSparse's T = 1e-3
+one float32 ulp of softplus(v) moves logit(pi) = (norm - softplus(v)) / T by ~5e-5, and the bound there is wide
+accordingly; everywhere else errors are ~1e-6. The client-half comparisons keep a fixed 1e-4 of each tensor's
+largest entry.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,7 +50,6 @@ from edge.runtime.state import LocalState
 from edge.trainers.torch_objectives import OBJECTIVES
 from firmware_tests import PROGRAMS as GOLDEN_PROGRAMS
 from firmware_tests import cases as C
-from firmware_tests.__main__ import aux_rel
 from trainer_programs import check_point, program, rel, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,29 +183,226 @@ def test_points_are_where_every_term_contributes(oid):
             check_point(t, w, c)
 
 
+# ------------------------------------------------------------------------------------------ float32 error bounds
+EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 ulp at 1, relative
+U32 = EPS32 / 2  # float32's unit roundoff: a correctly rounded +, -, x, / is within it, relative
+# aten ops computed through libm (or as several roundings): within one ulp, EPS32
+_LIBM = {"exp", "log", "log1p", "expm1", "sigmoid", "sigmoid_backward", "tanh", "tanh_backward", "pow", "sqrt",
+         "rsqrt", "_log_softmax", "_softmax", "_log_softmax_backward_data", "_softmax_backward_data", "softplus"}
+DRAWS = 6  # rounding draws per test point
+BUG = 1e-3  # a real bug's size (tests/test_firmware.py): each quantity has test points whose bound is below BUG / 2
+
+# aten ops whose float result is exact (a copy, a selection, a sign, a max): no rounding
+_EXACT = {"_to_copy", "abs", "clamp", "neg", "relu", "threshold_backward", "where", "zeros", "ones_like",
+          "scalar_tensor", "arange", "stack", "cat", "select_backward", "slice_backward", "sgn", "new_empty_strided",
+          "clone", "masked_fill", "index", "gather", "maximum", "minimum", "amax", "max", "min", "zeros_like",
+          "full", "full_like", "empty", "empty_like", "fill", "lift_fresh_copy"}
+
+
+class Float32Rounding:
+    """The float32 rounding error model (Higham, Accuracy and Stability of Numerical Algorithms, 2.2), applied to
+    a float64 evaluation (a TorchDispatchMode, so the forward pass and autograd's backward pass alike), each
+    rounding error a random d ~ U(-u, u), u = U32 for a correctly rounded +, -, x, / (and each product and partial
+    sum of a reduction), u = EPS32 for a libm function or a composite op (_LIBM: within one ulp):
+
+    - an elementwise op's result x becomes x (1 + d);
+    - a reduction over n terms t_1..t_n (mm, addmm, sum, mean) becomes s_n + sum_k (d_k s_k + d'_k t_k): each
+      term (a product) rounded and each partial sum s_k = t_1 + ... + t_k rounded, in one sequential order, the
+      deepest (pairwise or blocked sums round each term fewer times); the first-order error of that sum;
+    - a convolution, its backward and (log-)softmax's normaliser: x (1 + d) + sqrt(n) d' |x|_abs, Higham & Mary's
+      probabilistic bound for n float32 terms (|x|_abs: the op on |operands|, the sum of the terms' magnitudes).
+
+    Exact ops (copies, selections, max, sign) and views are left alone. A draw's deviation from the plain float64
+    result is a float32 error of this computation at this point: it depends on the objective, its inputs and the
+    rounding model only, not on any machine, kernel or summation order."""
+
+    def __init__(self, seed: int):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        self.gen = torch.Generator().manual_seed(seed)
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                name = func.overloadpacket.__name__
+                if (func._schema.is_mutable or name in _EXACT
+                        or any(r.alias_info is not None for r in func._schema.returns)):
+                    return out
+                return outer.round(name, args, kwargs, out)
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    def _d(self, shape, dtype, u: float = U32):
+        import torch
+        return (2 * torch.rand(shape, generator=self.gen, dtype=dtype) - 1) * u
+
+    def _sequential(self, terms):
+        """The first-order rounding error of summing ``terms`` over their last axis in order:
+        sum_k d_k s_k + d'_k t_k."""
+        partial = terms.cumsum(-1)
+        return (self._d(terms.shape, terms.dtype) * partial + self._d(terms.shape, terms.dtype) * terms).sum(-1)
+
+    def round(self, name, args, kwargs, out):
+        import torch
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not any(isinstance(o, torch.Tensor) and o.dtype.is_floating_point for o in outs):
+            return out
+        if name in ("mm", "addmm", "sum", "mean"):
+            return out + self._reduction_error(name, args, kwargs, out).reshape(out.shape)
+        acc = self._accumulation(name, args, outs)
+        new = []
+        for j, o in enumerate(outs):
+            if not (isinstance(o, torch.Tensor) and o.dtype.is_floating_point):
+                new.append(o)
+                continue
+            r = o * (1 + self._d(o.shape, o.dtype, EPS32 if name in _LIBM else U32))
+            if acc is not None and acc[j] is not None:
+                n, mag = acc[j]
+                r = r + math.sqrt(n) * self._d(o.shape, o.dtype) * mag
+            new.append(r)
+        return type(out)(new) if isinstance(out, (tuple, list)) else new[0]
+
+    def _reduction_error(self, name, args, kwargs, out):
+        import torch
+        if name in ("mm", "addmm"):
+            a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+            terms = (a[:, :, None] * b[None, :, :]).transpose(1, 2)  # (m, n, k)
+            if name == "addmm":
+                alpha, beta = kwargs.get("alpha", 1), kwargs.get("beta", 1)
+                bias = (beta * args[0]).expand(out.shape)[..., None]
+                terms = torch.cat([bias, alpha * terms], -1)
+            return self._sequential(terms)
+        x = args[0]
+        dims = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("dim")
+        dims = list(range(x.dim())) if dims is None or dims == [] else [d % x.dim() for d in (
+            [dims] if isinstance(dims, int) else dims)]
+        keep = [d for d in range(x.dim()) if d not in dims]
+        terms = x.permute(*keep, *dims).reshape(*[x.shape[d] for d in keep], -1)
+        err = self._sequential(terms)
+        return err / terms.shape[-1] if name == "mean" else err
+
+    @staticmethod
+    def _accumulation(name, args, outs):
+        """Per output of a convolution or a (log-)softmax: (n, the sum of its terms' magnitudes); else None."""
+        import torch
+        a = [x.abs() if isinstance(x, torch.Tensor) and x.dtype.is_floating_point else x for x in args]
+        if name == "_log_softmax":  # x - max - log(sum exp): the sum's relative error is an absolute one here
+            return [(args[0].shape[args[1]], torch.ones_like(outs[0]))]
+        if name == "_softmax":
+            return [(args[0].shape[args[1]], outs[0].abs())]
+        if name == "_log_softmax_backward_data":  # g - exp(out) sum(g)
+            g, o, dim = args[0], args[1], args[2]
+            return [(g.shape[dim], g.abs() + o.exp() * g.abs().sum(dim, keepdim=True))]
+        if name == "_softmax_backward_data":  # out (g - sum(g out))
+            g, o, dim = args[0], args[1], args[2]
+            return [(g.shape[dim], o.abs() * (g.abs() + (g * o).abs().sum(dim, keepdim=True)))]
+        if name == "convolution":
+            return [(args[1][0].numel() + 1, torch.ops.aten.convolution(a[0], a[1], a[2], *args[3:]))]
+        if name == "convolution_backward":
+            g, w = args[0], args[2]
+            mags = torch.ops.aten.convolution_backward(a[0], a[1], a[2], *args[3:])
+            per_channel = g.numel() // g.shape[1]  # terms of a weight's or a bias's gradient
+            ns = (w.shape[0] * w[0, 0].numel(), per_channel, per_channel)
+            return [None if m is None else (n, m) for n, m in zip(ns, mags)]
+        return None
+
+
+def _bound(draws: list, x64, axis1: bool = False) -> np.ndarray | float:
+    """export.golden.tolerance over the rounding draws: SAFETY x the largest deviation of a draw from float64, at
+    least SAFETY float32 epsilons of max |x64|; per column of axis 1 with ``axis1`` (as aux_rel compares)."""
+    from export.golden import tolerance
+    x64 = np.asarray(x64, np.float64)
+    if axis1 and x64.ndim >= 2:
+        return np.array([max(tolerance(np.asarray(d)[:, j], x64[:, j]) for d in draws) for j in range(x64.shape[1])])
+    return max(tolerance(d, x64) for d in draws)
+
+
+def _largest(a, axis1: bool = False) -> np.ndarray | float:
+    """max |a| (per column of axis 1 with ``axis1``)."""
+    a = np.abs(np.asarray(a, np.float64))
+    if axis1 and a.ndim >= 2:
+        return a.reshape(a.shape[0], a.shape[1], -1).max(axis=(0, 2), initial=0.0)
+    return float(a.max(initial=0.0))
+
+
+def _dev(x, x64, axis1: bool = False) -> np.ndarray | float:
+    """|x - x64|, largest entry (per column of axis 1 with ``axis1``)."""
+    return _largest(np.asarray(x, np.float64) - np.asarray(x64, np.float64), axis1)
+
+
+@lru_cache(maxsize=None)
+def float32_bounds(oid: str) -> list:
+    """Per test point (two seeds' points, in order): the float64 result and each quantity's float32 bound:
+    (weights, case, (l64, g64, a64), (loss bound, {grad: bound}, {aux: per-column bounds}))."""
+    from export.golden import float64_reference
+    from firmware_tests import Golden
+    from trainer_programs import ZOO
+    objective, spec, layout = objective_programs()[oid]
+    g = Golden(objective, ZOO[spec] if isinstance(spec, str) else spec, layout)
+    out = []
+    for seed in (1, 2):
+        w, cases = _points(objective, spec, layout, seed)
+        for j, c in enumerate(cases):
+            l64, g64, a64 = float64_reference(g, w, c)
+            draws = []
+            for d in range(DRAWS):
+                with Float32Rounding(1000 * seed + 10 * j + d):
+                    draws.append(float64_reference(g, w, c))
+            tol = (_bound([x[0] for x in draws], l64), {k: _bound([x[1][k] for x in draws], g64[k]) for k in g64},
+                   {k: _bound([x[2][k] for x in draws], a64[k], axis1=True) for k in a64})
+            out.append((w, c, (l64, g64, a64), tol))
+    return out
+
+
+OBJ_RUNTIME_PARAMS = [pytest.param("torch")] + RUNTIME_PARAMS
+
+
 @pytest.mark.parametrize("oid", OBJ_IDS)
-@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
+@pytest.mark.parametrize("runtime", OBJ_RUNTIME_PARAMS)
 def test_objective_matches_torch(runtime, oid):
-    """loss, every gradient and every auxiliary output equal torch's, at two seeds' test points."""
+    """The program has torch's parameters, inputs and outputs; its loss, every gradient and every auxiliary output
+    are the objective's, at two seeds' test points: within the float32 bound of each quantity (float32_bounds)
+    of the same objective evaluated in float64. torch is checked the same way: it is one float32 runtime more.
+
+    A real bug still fails: every quantity has test points where its bound is under BUG / 2 of its largest entry
+    (not all: at FedSparse's T = 1e-3 one float32 ulp of softplus(v) is ~5e-5 of a gradient, and its bound
+    there is up to ~1.4e-3)."""
     objective, spec, layout = objective_programs()[oid]
     ref, t = _torch(oid), trainer(runtime, spec, objective, layout)
     assert t.objective_name == objective and t.params == ref.params
     assert [i.name for i in t.inputs] == [i.name for i in ref.inputs] and t.outputs == ref.outputs
-    for seed in (1, 2):
-        w, cases = _points(objective, spec, layout, seed)
-        ref.set_weights(w)
+    tightest: dict[str, float] = {}  # quantity -> smallest bound / largest entry over the points where it is not 0
+
+    def sees(q: str, bound, scale) -> None:
+        b, sc = np.ravel(bound), np.ravel(scale)
+        if (sc > 0).any():
+            tightest[q] = min(tightest.get(q, np.inf), float(np.max(b[sc > 0] / sc[sc > 0])))
+
+    for w, c, (l64, g64, a64), (tl, tg, ta) in float32_bounds(oid):
         t.set_weights(w)
-        for c in cases:
-            l0, g0, a0 = ref.loss_and_grads(c)
-            l1, g1, a1 = t.loss_and_grads(c)
-            assert abs(l1 - l0) <= TOL * abs(l0), (l1, l0)
-            assert list(g1) == list(g0) == list(w)
-            for k in g0:
-                assert g1[k].dtype == np.float32 and g1[k].shape == w[k].shape
-                assert rel(g1[k], g0[k]) <= TOL, (k, rel(g1[k], g0[k]))
-            assert list(a1) == list(a0)
-            for k in a0:
-                assert a1[k].shape == a0[k].shape and aux_rel(a1[k], a0[k]) <= TOL, (k, aux_rel(a1[k], a0[k]))
+        l1, g1, a1 = t.loss_and_grads(c)
+        assert abs(l1 - l64) <= tl, ("loss", l1, l64, tl)
+        sees("loss", tl, abs(l64))
+        assert list(g1) == list(g64) == list(w)
+        for k in g64:
+            assert g1[k].dtype == np.float32 and g1[k].shape == w[k].shape
+            assert _dev(g1[k], g64[k]) <= tg[k], (k, _dev(g1[k], g64[k]), tg[k])
+            sees(k, tg[k], _largest(g64[k]))
+        assert list(a1) == list(a64)
+        for k in a64:
+            assert a1[k].shape == a64[k].shape
+            assert np.all(_dev(a1[k], a64[k], axis1=True) <= ta[k]), (k, _dev(a1[k], a64[k], axis1=True), ta[k])
+            sees(f"aux {k}", ta[k], _largest(a64[k], axis1=True))
+    loose = {q: r for q, r in tightest.items() if not r <= BUG / 2}
+    assert not loose, f"no test point where a {BUG:g} error of these fails: {loose}"
     if objective == "fedsparse":  # the gradients depend on the noise input
         c2 = dict(c, u0=np.float32(1) - c["u0"])
         assert rel(t.loss_and_grads(c2)[1]["fc1.weight"], g1["fc1.weight"]) > 1e-3

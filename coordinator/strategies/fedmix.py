@@ -127,7 +127,7 @@ class FedMix:
     def experts_for(self, state: ServerState, device_id: str) -> list[int]:
         """Alg. 2: experts with stored q(z=k|s) >= 0.9 eta/K (the 0.9 is the paper's hysteresis)."""
         q = state.meta.get("qzs", {}).get(device_id)
-        if q is None:
+        if q is None or device_id in state.meta.get("reset", {}):  # new, or restarted by the remedy: all K
             return list(range(self.K))
         eta = self._eta(state)
         keep = [k for k in range(self.K) if q[k] >= 0.9 * eta / self.K]

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+from .allocator import keep_large_buffers
 from .backoff import Backoff
 
 log = logging.getLogger("fedge.mqtt")
@@ -95,6 +96,7 @@ class MqttLink:
         client id (MQTT lets any client that logs in do that; a broker configured by ``fedge credentials``
         does not): it says so in a warning, and with ``new_id_on_takeover`` it moves to a new client id (the
         given one with a random suffix, a new session), which a client that knows only the old one cannot take."""
+        keep_large_buffers()  # messages of a model's size, without a fresh mmap per buffer (allocator.py)
         self.broker, self.handler, self.subscriptions, self.tick_s = broker, handler, subscriptions, tick_s
         self.client_id = self.base_client_id = client_id
         self.new_id_on_takeover = new_id_on_takeover
