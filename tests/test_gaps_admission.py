@@ -180,3 +180,14 @@ def test_local_steps_count_batches_and_a_plan_that_steps_nowhere_counts_one(hp, 
     every report)."""
     from types import SimpleNamespace
     assert AD.local_steps(SimpleNamespace(hparams=hp), n) == steps
+
+
+def test_update_norm_of_a_row_masked_report_is_over_its_rows_differences():
+    """A report of some rows (a mask) is not a plain tensor, so its norm is ||v - w[mask]|| computed here, not the
+    shared difference: against numpy, with weights that are not zero (a sum v + w would differ)."""
+    w = {"a": np.array([[1.0, -2.0], [0.5, 3.0], [-1.5, 0.25]], np.float32)}
+    mask = np.array([True, False, True])
+    v = np.array([[1.5, -1.0], [-1.0, 0.0]], np.float32)
+    rep = Report("t", "d", 10, {}, {"a": TensorUpdate((3, 2), v, mask)})
+    want = math.sqrt(float(((v.astype(np.float64) - w["a"][mask]) ** 2).sum()))
+    assert AD.update_norm(plan(w=w), rep) == pytest.approx(want, rel=1e-6)

@@ -252,3 +252,13 @@ def _acc(s, st, dp, W):
     acc = s.begin(st)
     s.accumulate(st, acc, dp, dense("d0", 3, W))
     return acc
+
+
+def test_an_upload_that_keeps_every_row_is_not_sampled():
+    """upload_spec: keep = 1 with a sampling rule is the plain upload (float32 weights, no probabilities on the
+    wire, no forced differences); keep below 1 turns sampling on and makes the upload differences."""
+    from coordinator.strategies.base import upload_spec
+    assert upload_spec("f4", sample="norm", keep=1.0, p_min=0.1) == {"dtype": "f4", "delta": False}
+    assert upload_spec("q8", sample="norm", keep=1.0) == {"dtype": "q8", "delta": True}
+    assert upload_spec("f4", sample="uniform", keep=0.5, p_min=0.1) == {
+        "dtype": "f4", "delta": True, "sample": "uniform", "keep": 0.5, "p_min": 0.1}

@@ -311,6 +311,9 @@ def test_bnn_predictive_is_the_mean_of_softmaxes_over_the_device_s_draws(tmp_pat
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got.sum(1), 1.0, atol=1e-12)
     assert want.max() - want.min() > 0.2  # the classes are told apart: a wrong average moves them
+    y = np.r_[want.argmax(1)[:4], want.argmin(1)[4:]]  # evaluate: the share whose most probable class is the label
+    acc = ES.evaluate(t, glob, state, x, y, samples=samples, seed=4)
+    assert acc == np.mean(want.argmax(1) == y) == 4 / 6
 
 
 @pytest.mark.parametrize("g, ok", [([0, 1, 2, 2], True), ([0, 3], False), ([-1, 0], False), ([0.5, 1], False),
