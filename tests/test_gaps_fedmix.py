@@ -14,7 +14,7 @@ from edge.model import mlp
 from edge.runtime.program import torch_program
 from edge.runtime.state import LocalState
 from edge.trainers.torch_backend import TorchTrainer
-from test_maths_clients import Stub, experts, plan_of, softmax
+from test_maths_clients import Stub, eq13, experts, plan_of, softmax
 from test_maths_server import MNAMES, MSPEC, RefAdam, close, dense
 
 
@@ -142,11 +142,7 @@ def test_fedmix_cluster_client_pi_init_uneven_batches_and_report(tmp_path):
                 E[f"e{k}.{n}"] -= lr * g[f"s{j}.{n}"]
             A[:, held] -= glr * g[f"gate.A{j}"]
         b[held] -= glr * g["gate.b"]
-        cols = [held.index(k) for k in act]
-        joint = c["aux"]["ll"].astype(np.float32).astype(np.float64) + c["aux"]["lg"].astype(np.float32)
-        new = np.zeros(K)
-        new[act] = softmax(joint[:, cols].mean(0))
-        pi = 0.75 * pi + 0.25 * new
+        pi = eq13(pi, c["aux"], held, act, 0.75)
     keep, qp = alg2(pi)
     assert keep == held or len(keep) == 1
     np.testing.assert_allclose(rep.extras["qzs"], qp, atol=1e-6)

@@ -35,7 +35,7 @@ from edge.runtime.program import torch_program
 from edge.runtime.state import LocalState
 from edge.trainers.torch_backend import TorchTrainer
 from edge.trainers.torch_objectives.usermodel import describe
-from test_maths_clients import Stub, alg2, experts, plan_of, sigmoid, softmax, softplus
+from test_maths_clients import Stub, alg2, eq13, experts, plan_of, sigmoid, softmax, softplus
 from test_maths_server import MNAMES, MSPEC, RefAdam, roundtrip
 
 B1, B2, EPS = 0.9, 0.999, 1e-8  # Adamax's constants (Kingma & Ba), written as numbers
@@ -409,10 +409,7 @@ def test_new_cluster_device_first_round_starts_from_the_uniform_gate_and_pi(tmp_
                 E[f"e{k}.{n}"] -= lr * g[f"s{j}.{n}"]
             A[:, held] -= glr * g[f"gate.A{j}"]
         b[held] -= glr * g["gate.b"]
-        joint = c["aux"]["ll"].astype(np.float32).astype(np.float64) + c["aux"]["lg"].astype(np.float32)
-        new = np.zeros(K)
-        new[held] = softmax(joint.mean(0))
-        pi = damp * pi + (1 - damp) * new
+        pi = eq13(pi, c["aux"], held, held, damp)
     keep, qp = alg2(pi, held, 0.0, K)
     close(rep.extras["qzs"], qp)
     assert set(rep.extras) == {"qzs"} and rep.metrics["experts"] == 3 and rep.metrics["steps"] == 9
@@ -890,11 +887,7 @@ def test_gate_reset_with_a_server_restart_keeps_the_pi_init(tmp_path):
         for j in range(3):
             A[:, held] -= glr * g[f"gate.A{j}"]
         b[held] -= glr * g["gate.b"]
-        cols = [held.index(k) for k in act]
-        joint = c["aux"]["ll"].astype(np.float32).astype(np.float64) + c["aux"]["lg"].astype(np.float32)
-        new = np.zeros(K)
-        new[act] = softmax(joint[:, cols].mean(0))
-        pi = 0.75 * pi + 0.25 * new
+        pi = eq13(pi, c["aux"], held, act, 0.75)
     keep, qp = alg2(pi, held, eta, K)
     close(rep.extras["qzs"], qp)
     st = local.load(EF.STATE)

@@ -80,6 +80,15 @@ def plan_of(strategy, weights, hparams, seed=7):
     return Plan("t", 1, "d", 1e12, strategy, "torch", "0" * 64, weights, hparams, seed, {"dtype": "f4"})
 
 
+def eq13(pi, aux, held, act, damp):
+    """Eq. 13 from one recorded call: the active slots' joint log-likelihood (float32, as the runtime returns it)
+    averaged over the batch and softmaxed, damped into pi (``damp`` of the old pi kept)."""
+    joint = aux["ll"].astype(np.float32).astype(np.float64) + aux["lg"].astype(np.float32)
+    new = np.zeros(len(pi))
+    new[act] = softmax(joint[:, [held.index(k) for k in act]].mean(0))
+    return damp * pi + (1 - damp) * new
+
+
 def alg2(q, held, eta, K):
     """Alg. 2: the held experts with q >= eta / K (else the best held one), q' zero elsewhere, renormalised."""
     keep = [k for k in held if q[k] >= eta / K] or [max(held, key=lambda k: q[k])]
