@@ -5,7 +5,7 @@
 Two :class:`edge.runtime.mqtt.MqttLink` links (paho, one network thread each, as a device and the coordinator
 have) on a private Mosquitto: one publishes N messages of a size at QoS 1, the other receives them. Per
 message: the CPU of the process (both links, both directions of paho, the publishing loop) and its minor page
-faults, at 100 B (a check-in), 256 KB (a chunk at the default ``chunk_bytes``) and 800 KB (a whole dense
+faults, at 100 B (a check-in), 256 KB (a chunk at the default ``chunk_bytes`` before it became 1020 KiB) and 800 KB (a whole dense
 plan of a 200k-parameter model). Each configuration runs in a fresh child process, alternating, ``--repeats``
 times; the table holds the medians:
 

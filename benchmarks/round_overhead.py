@@ -77,6 +77,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 import numpy as np  # noqa: E402
 
 from coordinator.observe import Observer  # noqa: E402
+from edge.protocol import wire  # noqa: E402
 
 log = logging.getLogger("benchmarks.round_overhead")
 OUT = ROOT / "runs" / "bench" / "round_overhead.json"
@@ -99,7 +100,8 @@ def sim_config(args, workdir: Path, data: Path):
     from coordinator.simulate import SimConfig
     return SimConfig(devices=args.devices, clients_per_round=args.clients, rounds=args.rounds, epochs=1,
                      broker="mosquitto", processes=2, workdir=str(workdir), data=str(data), model="mlp",
-                     mode=args.mode, seed=0, over_selection=args.over_selection)
+                     mode=args.mode, seed=0, over_selection=args.over_selection,
+                     chunk_bytes=args.chunk_kb * 1024)
 
 
 # ------------------------------------------------------------------ the floor (child process)
@@ -505,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="1.0 (default): the floor's computation, 10 trainings a round; fedge's own default 1.3 "
                          "trains 13, of which reproducible mode commits the first 10")
     ap.add_argument("--quick", action="store_true", help="20 rounds")
+    ap.add_argument("--chunk-kb", type=int, default=wire.DEFAULT_CHUNK_BYTES // 1024,
+                    help="messages above this many KiB go as chunks (fedge's default; 256 was the default before)")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
     if a.quick:
@@ -525,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"config": {"devices": a.devices, "clients_per_round": a.clients, "rounds": a.rounds,
                                       "mode": a.mode, "model": [FEATURES, 200, 200, CLASSES],
                                       "examples": EXAMPLES, "over_selection": cfg.over_selection,
-                                      "processes": cfg.processes, "broker": "mosquitto"},
+                                      "processes": cfg.processes, "broker": "mosquitto", "chunk_bytes": cfg.chunk_bytes},
                            "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
                            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "loadavg_start": os.getloadavg()}

@@ -172,7 +172,7 @@ class RoundConfig:
     seed: int = field(default=0, metadata={"min": 0})
     fleet: str = "default"
     run_id: str = ""  # part of every task id, so a new run is never confused with an old one's messages
-    chunk_bytes: int = field(default=256 * 1024, metadata={"min": 4096})
+    chunk_bytes: int = field(default=wire.DEFAULT_CHUNK_BYTES, metadata={"min": 4096})
     max_message_bytes: int = field(default=wire.DEFAULT_MAX_MESSAGE_BYTES, metadata={"min": 65536})
     # a chunked report that arrives slower than this on average (after 10 s) is dropped and counted against its
     # device: a trickle holds a device's transfer slot (docs/security.md); 0: never

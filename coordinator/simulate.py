@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from edge.protocol import wire
 from edge.runtime.data import save_npz
 from edge.runtime.mqtt import BrokerAddress
 
@@ -68,7 +69,7 @@ class SimConfig:
     min_reports: int = 0
     round_timeout_s: float = 60.0
     selection_timeout_s: float = 5.0
-    chunk_bytes: int = 256 * 1024
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
     runtimes: tuple[str, ...] = ("torch",)  # assigned round-robin to devices; "native": the C++ device
     native_binary: str = ""  # the fedge-native executable for "native" devices ("": NATIVE_BINARY)
     broker: str = "embedded"  # embedded | mosquitto | mqtt://host:port

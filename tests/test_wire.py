@@ -210,6 +210,24 @@ def test_chunking_reassembles_in_any_order_and_counts_bytes():
     assert wire.split(b"small", "m2", 1000) == [b"small"]
 
 
+def test_a_default_chunk_fits_a_1_mib_mqtt_packet_with_the_longest_ids():
+    """Every fedge client chunks at DEFAULT_CHUNK_BYTES so that each message fits EMQX's default max_packet_size,
+    1 MiB (docs/operations.md): the chunk's msgpack with the longest transfer id the wire allows, its topic with
+    the longest fleet and device ids, and MQTT 5's PUBLISH framing (packet id, a properties length)."""
+    longest = "x" * 128
+    assert wire.ID_RE.match(longest) and not wire.ID_RE.match(longest + "x")
+    payload = bytes(range(256)) * (2 * wire.DEFAULT_CHUNK_BYTES // 256 + 1)
+    parts = wire.split(payload, longest, wire.DEFAULT_CHUNK_BYTES)
+    assert len(parts) == 3
+    topic = wire.topic(longest, "report", longest).encode()
+    for p in parts:
+        remaining = 2 + len(topic) + 2 + 1 + len(p)  # topic length, topic, packet id, properties length, payload
+        length_bytes = 1 + (remaining >= 1 << 7) + (remaining >= 1 << 14) + (remaining >= 1 << 21)
+        assert 1 + length_bytes + remaining <= 1 << 20
+    # and not far below it: every message costs a fixed share (docs/operations.md, "Fewer, larger messages")
+    assert len(parts[0]) > (1 << 20) - 8192
+
+
 def test_incomplete_transfer_times_out_and_oversize_is_refused():
     parts = wire.split(b"x" * 5000, "m1", 1000)
     r = wire.Reassembler(timeout_s=10, max_bytes=10_000)

@@ -540,7 +540,7 @@ function tools(args) {
 function main() {
   if (tools(process.argv.slice(2))) return;
   const args = process.argv.slice(2), o = { broker: 'mqtt://127.0.0.1:1883', fleet: 'default', ackTimeout: 5,
-    heartbeat: 15, grace: 30, maxPace: 3600, keepalive: 30, chunkBytes: 256 * 1024, maxBytes: 64 * 1024 * 1024 };
+    heartbeat: 15, grace: 30, maxPace: 3600, keepalive: 30, chunkBytes: 1020 * 1024, maxBytes: 64 * 1024 * 1024 };
   const names = { '--broker': 'broker', '--fleet': 'fleet', '--id': 'id', '--data': 'data', '--ack-timeout': 'ackTimeout',
     '--heartbeat': 'heartbeat', '--grace': 'grace', '--max-pace': 'maxPace', '--keepalive': 'keepalive' };
   for (let i = 0; i < args.length; i += 2) {

@@ -96,7 +96,7 @@ class AgentConfig:
     device_id: str
     fleet: str = "default"
     capabilities: dict[str, Any] = field(default_factory=dict)
-    chunk_bytes: int = 256 * 1024
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     ack_timeout_s: float = 5.0
     report_grace_s: float = 30.0  # keep resending this long past the plan's deadline, then give up

@@ -19,6 +19,7 @@ from .mqtt import BrokerAddress, MqttLink
 from .program import ProgramCache
 from .state import LocalState
 from ..trainers import make_trainer
+from ..protocol import wire
 from ..protocol.wire import Plan
 
 log = logging.getLogger("fedge.device")
@@ -121,7 +122,7 @@ def warm_up(runtime: str, **trainer_kw) -> float:
 
 
 def device_from_files(device_id: str, data: str, state_dir: str, broker: str, *, fleet: str = "default",
-                      capabilities: dict | None = None, chunk_bytes: int = 256 * 1024, tls: dict | None = None,
+                      capabilities: dict | None = None, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, tls: dict | None = None,
                       **kw) -> Device:
     """``tls``: ca_file / cert_file / key_file for an ``mqtts://`` broker."""
     x, y = load_npz(data)

@@ -23,7 +23,7 @@ struct AgentConfig {
   std::string device_id;
   std::string fleet = "default";
   Scalars capabilities;
-  size_t chunk_bytes = 256 * 1024;
+  size_t chunk_bytes = 1020 * 1024;  // fits a 1 MiB MQTT packet with its framing (docs/protocol.md section 8)
   size_t max_message_bytes = 64u << 20;
   double ack_timeout_s = 5.0;    // first resend after this; then doubling, capped at 2^5 times it
   double report_grace_s = 30.0;  // keep resending this long past the plan's deadline, then give up

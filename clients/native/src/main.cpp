@@ -115,7 +115,7 @@ class ProgramStore {
 struct Options {
   std::string id, data, broker = "mqtt://127.0.0.1:1883", fleet = "default", state_dir, ca_file, cert_file, key_file;
   double heartbeat_s = 15.0, ack_timeout_s = 5.0, report_grace_s = 30.0;
-  size_t chunk_bytes = 256 * 1024;
+  size_t chunk_bytes = 1020 * 1024;
   int64_t memory_mb = 2048;
 };
 

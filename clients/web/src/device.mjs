@@ -10,7 +10,7 @@ import { ID_RE, Reassembler, WireError, receive, split, statusMessage } from './
 import { sha256hex } from './sha256.mjs';
 
 export const DEFAULTS = { fleet: 'default', ackTimeout: 5, heartbeat: 15, grace: 30, maxPace: 3600, keepalive: 30,
-  chunkBytes: 256 * 1024, maxBytes: 64 * 1024 * 1024, tick: 0.2, backoffBase: 0.2, backoffCap: 30 };
+  chunkBytes: 1020 * 1024, maxBytes: 64 * 1024 * 1024, tick: 0.2, backoffBase: 0.2, backoffCap: 30 };
 
 /**
  * One device. ``o``: {id, fleet, broker (ws://, wss://, mqtt:// URL), username, password, data ({x, y, n, features}),
