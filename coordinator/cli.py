@@ -48,7 +48,7 @@ def round_line(s: dict, target: int, total_bytes: int) -> str:
     """One committed round, as ``fedge coordinator`` prints it."""
     acc = "-" if s.get("accuracy") is None else f"{s['accuracy']:.4f}"
     attempts = s.get("attempts") or 1
-    return (f"round {s['round']}/{target}: accuracy {acc}, {s['reports']} reports, {s['dropped']} dropped, "
+    return (f"round {s['round']}/{target}: accuracy {acc}, {s['reports']} reports, {s['dropped']} unused, "
             f"{s['bytes_down'] / 1e6:.3f} MB down + {s['bytes_up'] / 1e6:.3f} MB up "
             f"({total_bytes / 1e6:.2f} MB in all), {s['wall_s']:.2f} s"
             + (f" (+{s['export_s']:.2f} s waiting for program exports)" if s.get("export_s") else "")

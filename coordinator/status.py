@@ -204,7 +204,7 @@ def render(s: dict[str, Any], *, rounds: int = 10, width: int = 30) -> str:
     if rows:
         out.append("")
         out.append(f"{'round':>5} {'accuracy':>8} {'loss':>7} {'MB down':>8} {'MB up':>8} {'reports':>7} "
-                   f"{'dropped':>7} {'s':>7} {'export s':>8}")
+                   f"{'unused':>7} {'s':>7} {'export s':>8}")
         for r in rows:
             out.append(f"{r['round']:>5} {_f(r.get('accuracy')):>8} {_f(r.get('loss'), '.3f'):>7} "
                        f"{_mb(r['bytes_down']):>8} {_mb(r['bytes_up']):>8} {r.get('reports') or 0:>7} "

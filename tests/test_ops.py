@@ -355,7 +355,7 @@ def test_metrics_section_of_fleet_toml(tmp_path):
 
 def test_the_round_line():
     s = summary(3, 0.81234, 521_000, 413_000) | {"wall_s": 1.234}
-    assert round_line(s, 30, 2_800_000) == ("round 3/30: accuracy 0.8123, 3 reports, 1 dropped, 0.521 MB down + "
+    assert round_line(s, 30, 2_800_000) == ("round 3/30: accuracy 0.8123, 3 reports, 1 unused, 0.521 MB down + "
                                             "0.413 MB up (2.80 MB in all), 1.23 s")
     assert round_line(s | {"attempts": 2, "accuracy": None}, 30, 0).endswith(", 2 attempts")
     assert "accuracy -," in round_line(s | {"accuracy": None}, 30, 0)

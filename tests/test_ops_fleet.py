@@ -208,7 +208,7 @@ def test_fedge_coordinator_prints_a_line_per_round_and_writes_report_and_plot(tm
     assert any("connected to the broker at " in ln for ln in lines)
     rounds = [ln for ln in lines if " round " in ln and ": accuracy " in ln]
     assert [ln.split(" round ")[1].split(":")[0] for ln in rounds] == ["1/3", "2/3", "3/3"]
-    assert all(", 3 reports, 0 dropped, " in ln and " MB down + " in ln for ln in rounds)
+    assert all(", 3 reports, 0 unused, " in ln and " MB down + " in ln for ln in rounds)
     assert "run finished: 3 rounds, final accuracy " in lines[-2]
     assert lines[-1].endswith(f"report in {out}; plot in {png}")
     assert "Traceback" not in stderr and "ERROR" not in stderr
