@@ -376,7 +376,7 @@ MUTANTS: list[Mutant] = [
       "lp_head = -0.5 * (head / m.head_sd) ** 2 - math.log(m.head_sd) - HALF_LOG2PI",
       "lp_head = -0.5 * (head / m.head_sd) ** 2 - HALF_LOG2PI", [GAP_SFVI], "the local head's log sd (hidden at 1)"),
     # ------------------------------------------------------------------ codec (tests/test_gaps_codec.py)
-    M("wire.chunk-over-1mib", "edge/protocol/wire.py", "DEFAULT_CHUNK_BYTES = 1020 * 1024",
+    M("wire.chunk-over-1mib", "edge/protocol/sizes.py", "DEFAULT_CHUNK_BYTES = 1020 * 1024",
       "DEFAULT_CHUNK_BYTES = 1024 * 1024", ["tests/test_wire.py"], "a default chunk that no longer fits a 1 MiB packet"),
     M("codec.minority-tie", "edge/protocol/codec.py", "if K < s.n - K or (K == s.n - K and not s.inactive):",
       "if K < s.n - K:", [GAP_CODEC], "k = n / 2: golomb and enum carry the active rows"),

@@ -13,7 +13,7 @@ import time
 import sys
 from pathlib import Path
 
-from edge.protocol import wire
+from edge.protocol.sizes import DEFAULT_CHUNK_BYTES
 from edge.runtime.config import ConfigError, from_dict, load_toml, unknown
 
 log = logging.getLogger("fedge")
@@ -563,7 +563,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--processes", type=int, default=2, help="device processes")
     s.add_argument("--ingest-workers", type=int, default=0, metavar="N",
                    help="take reports through N shared-subscription ingest workers (MQTT 5; --broker mosquitto)")
-    s.add_argument("--chunk-kb", type=int, default=wire.DEFAULT_CHUNK_BYTES // 1024,
+    s.add_argument("--chunk-kb", type=int, default=DEFAULT_CHUNK_BYTES // 1024,
                    help="MQTT messages above this many KiB are chunked")
     s.add_argument("--workdir", default="runs/simulate", help="the devices' data, state and the coordinator's "
                                                              "state go here")

@@ -10,8 +10,9 @@ import logging
 import signal
 import sys
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .protocol.sizes import DEFAULT_CHUNK_BYTES
 from .runtime.config import ConfigError, from_dict, load_toml, unknown
 from .runtime.data import load_npz
 
@@ -82,6 +83,8 @@ class DeviceSection:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    # reports above this many KiB go as chunks: below a broker's packet limit (docs/operations.md)
+    chunk_kb: int = field(default=DEFAULT_CHUNK_BYTES // 1024, metadata={"min": 4})
 
 
 def cmd_device(a: argparse.Namespace) -> int:
@@ -124,8 +127,11 @@ def cmd_device(a: argparse.Namespace) -> int:
         load_npz(data)
     except (OSError, KeyError, ValueError) as e:
         raise ConfigError(f"[device] data = {data!r}: {e}") from None
+    chunk_kb = a.chunk_kb if a.chunk_kb is not None else d.chunk_kb
+    if chunk_kb < 4:
+        raise ConfigError(f"--chunk-kb {chunk_kb}: must be at least 4")
     dev = device_from_files(dev_id, data, a.state_dir or d.state_dir or f"runs/device-{dev_id}", url,
-                            fleet=fleet, capabilities=caps,
+                            fleet=fleet, capabilities=caps, chunk_bytes=chunk_kb * 1024,
                             tls={"ca_file": a.ca_file or d.ca_file, "cert_file": d.cert_file, "key_file": d.key_file})
     dev.warm_up()  # its runtime loaded before it checks in, not inside its first plan's round
     dev.start()
@@ -152,6 +158,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--runtime", choices=["torch", "ort", "executorch"],
                    help="the trainer (default: [capabilities] runtime, else torch)")
     d.add_argument("--ca-file", help="CA certificate of an mqtts:// broker")
+    d.add_argument("--chunk-kb", type=int, help="reports above this many KiB go as chunks: set it below the broker's "
+                                                f"packet limit (default: [device] chunk_kb, else {DEFAULT_CHUNK_BYTES // 1024})")
     d.set_defaults(fn=cmd_device)
 
 

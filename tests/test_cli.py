@@ -156,6 +156,31 @@ def test_device_takes_its_fleet_on_the_command_line(tmp_path, capsys):
     assert len(err) == 1 and "fleet 'a/b'" in err[0], err
 
 
+@pytest.mark.parametrize("argv, config, chunk", [([], "", 1020 * 1024), (["--chunk-kb", "120"], "", 120 * 1024),
+                                                  ([], "chunk_kb = 64\n", 64 * 1024),
+                                                  (["--chunk-kb", "120"], "chunk_kb = 64\n", 120 * 1024)])
+def test_device_chunk_size_comes_from_its_flag_or_its_file(tmp_path, monkeypatch, argv, config, chunk):
+    """A broker whose packet limit is below the default chunk (AWS IoT Core: 128 KB) needs the device's reports
+    chunked below it: ``fedge device --chunk-kb`` or ``[device] chunk_kb``, the flag first."""
+    import numpy as np
+    import edge.runtime.device
+    from edge.cli import cmd_device, parser
+    from edge.runtime.data import save_npz
+
+    class Made(Exception):
+        pass
+
+    def fake(*args, **kw):
+        raise Made(kw["chunk_bytes"])
+
+    save_npz(tmp_path / "d.npz", np.zeros((3, 4), np.float32), np.zeros(3, np.int64))
+    (tmp_path / "device.toml").write_text(f'[device]\nid = "d1"\ndata = "{tmp_path / "d.npz"}"\n{config}')
+    monkeypatch.setattr(edge.runtime.device, "device_from_files", fake)
+    with pytest.raises(Made) as got:
+        cmd_device(parser().parse_args(["device", "--config", str(tmp_path / "device.toml"), *argv]))
+    assert got.value.args == (chunk,)
+
+
 @pytest.mark.parametrize("url, says", [("mqtt//h:1883", "--broker = 'mqtt//h:1883': must be embedded, mosquitto or"),
                                        ("mosquito", "--broker = 'mosquito': must be embedded, mosquitto or"),
                                        ("mqtt://:1883", "--broker: no host in broker address")])

@@ -19,15 +19,10 @@ import numpy as np
 
 from . import codec
 from .errors import MAX_ELEMENTS, WireError  # noqa: F401 (wire.WireError, wire.MAX_ELEMENTS: the names callers use)
+from .sizes import DEFAULT_CHUNK_BYTES  # noqa: F401 (wire.DEFAULT_CHUNK_BYTES: the name callers use)
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# A payload longer than this is sent as chunks (section 8 of docs/protocol.md). 1020 KiB plus a chunk's framing
-# (under 1 KiB: msgpack keys, an id, a topic of at most two 128-character levels) fits a 1 MiB MQTT packet, EMQX's
-# default max_packet_size. Every message costs paho, the broker and the receiver a fixed share: a 200k-parameter
-# model's plan and report went as 4 chunks each at 256 KiB, and as 1 message each at this size took 10-20% less
-# CPU per round of the 50-device FedAvg fleet (benchmarks/round_overhead.py, docs/operations.md).
-DEFAULT_CHUNK_BYTES = 1020 * 1024
 MAX_TENSORS = 4096
 MAX_NDIM = 8
 # At most this many elements in a declared shape, zero dimensions counted as 1: numpy computes an array's
