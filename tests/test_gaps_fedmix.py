@@ -14,7 +14,7 @@ from edge.model import mlp
 from edge.runtime.program import torch_program
 from edge.runtime.state import LocalState
 from edge.trainers.torch_backend import TorchTrainer
-from test_maths_clients import Stub, eq13, experts, plan_of, softmax
+from test_maths_clients import Stub, eq13, experts, held_step, plan_of, softmax
 from test_maths_server import MNAMES, MSPEC, RefAdam, close, dense
 
 
@@ -136,12 +136,7 @@ def test_fedmix_cluster_client_pi_init_uneven_batches_and_report(tmp_path):
                 np.testing.assert_allclose(cw[f"s{j}.{n}"], E[f"e{k}.{n}"], atol=1e-5)
             np.testing.assert_allclose(cw[f"gate.A{j}"], A[:, held], atol=1e-5)
         np.testing.assert_allclose(cw["gate.b"], b[held], atol=1e-5)
-        g = c["grads"]
-        for j, k in enumerate(held):
-            for n in MNAMES:
-                E[f"e{k}.{n}"] -= lr * g[f"s{j}.{n}"]
-            A[:, held] -= glr * g[f"gate.A{j}"]
-        b[held] -= glr * g["gate.b"]
+        held_step(E, A, b, c["grads"], held, lr, glr)
         pi = eq13(pi, c["aux"], held, act, 0.75)
     keep, qp = alg2(pi)
     assert keep == held or len(keep) == 1

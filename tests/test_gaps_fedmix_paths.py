@@ -35,7 +35,7 @@ from edge.runtime.program import torch_program
 from edge.runtime.state import LocalState
 from edge.trainers.torch_backend import TorchTrainer
 from edge.trainers.torch_objectives.usermodel import describe
-from test_maths_clients import Stub, alg2, eq13, experts, plan_of, sigmoid, softmax, softplus
+from test_maths_clients import Stub, alg2, eq13, experts, held_step, plan_of, sigmoid, softmax, softplus
 from test_maths_server import MNAMES, MSPEC, RefAdam, roundtrip
 
 B1, B2, EPS = 0.9, 0.999, 1e-8  # Adamax's constants (Kingma & Ba), written as numbers
@@ -91,11 +91,7 @@ def label_replay(calls, E, phi, A, b, held, K, eta, hist, lr, glr, copies=None):
                     close(inp[f"c{j}_{n.replace('.', '_')}"], E[f"e{k}.{n}"])
         close(cw["gate.b"], b[held])
         close(cw["phi"], phi[:, held])
-        for j, k in enumerate(held):
-            for n in [m for m in E if m.startswith(f"e{k}.")]:
-                E[n] = E[n] - lr * g[f"s{j}.{n.split('.', 1)[1]}"]
-            A[:, held] -= glr * g[f"gate.A{j}"]
-        b[held] -= glr * g["gate.b"]
+        held_step(E, A, b, g, held, lr, glr)
         phi[:, held] -= lr * g["phi"]
     return E, phi, A, b, seen
 
@@ -403,12 +399,7 @@ def test_new_cluster_device_first_round_starts_from_the_uniform_gate_and_pi(tmp_
             for n in MNAMES:
                 close(c["weights"][f"s{j}.{n}"], E[f"e{k}.{n}"])
         close(c["weights"]["gate.b"], b[held])
-        g = c["grads"]
-        for j, k in enumerate(held):
-            for n in MNAMES:
-                E[f"e{k}.{n}"] -= lr * g[f"s{j}.{n}"]
-            A[:, held] -= glr * g[f"gate.A{j}"]
-        b[held] -= glr * g["gate.b"]
+        held_step(E, A, b, c["grads"], held, lr, glr)
         pi = eq13(pi, c["aux"], held, held, damp)
     keep, qp = alg2(pi, held, 0.0, K)
     close(rep.extras["qzs"], qp)

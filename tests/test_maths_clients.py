@@ -89,6 +89,16 @@ def eq13(pi, aux, held, act, damp):
     return damp * pi + (1 - damp) * new
 
 
+def held_step(E, A, b, g, held, lr, glr):
+    """One plain SGD step of a FedMix client replay, from one recorded call's gradients: slot j's copy of expert
+    ``held[j]`` at rate ``lr``, and the gate's columns and biases of the held experts at rate ``glr``."""
+    for j, k in enumerate(held):
+        for n in [m for m in E if m.startswith(f"e{k}.")]:
+            E[n] = E[n] - lr * g[f"s{j}.{n.split('.', 1)[1]}"]
+        A[:, held] -= glr * g[f"gate.A{j}"]
+    b[held] -= glr * g["gate.b"]
+
+
 def alg2(q, held, eta, K):
     """Alg. 2: the held experts with q >= eta / K (else the best held one), q' zero elsewhere, renormalised."""
     keep = [k for k in held if q[k] >= eta / K] or [max(held, key=lambda k: q[k])]
