@@ -71,14 +71,22 @@ class Browser:
                 self.events.append(ev)
                 self.cv.notify_all()
 
-    def wait_for(self, event: str, timeout: float) -> dict | None:
+    def _first(self, match, timeout: float) -> dict | None:
         end = time.time() + timeout
         with self.cv:
             while True:
-                got = next((e for e in self.events if e["event"] == event), None)
+                got = next((e for e in self.events if match(e)), None)
                 if got or time.time() >= end or self.proc.poll() is not None:
                     return got
                 self.cv.wait(min(0.2, max(0.0, end - time.time())))
+
+    def wait_for(self, event: str, timeout: float) -> dict | None:
+        return self._first(lambda e: e["event"] == event, timeout)
+
+    def wait_accepted(self, count: int, timeout: float) -> bool:
+        """Whether the page counted ``count`` accepted reports within ``timeout``: the coordinator's ack for the
+        last round reaches the page after the round commits, so the page's count lags the coordinator's."""
+        return self._first(lambda e: e["event"] == "accepted" and e["count"] >= count, timeout) is not None
 
     def close(self) -> dict | None:
         """Closes the page; returns its final numbers (window.fedge)."""
@@ -200,6 +208,7 @@ def fleet_run(workdir: Path, *, rounds: int = 3, screenshot: Path | None = None)
             url = f"{srv.url}device/?broker={b.ws_url}&fleet={fleet}&id={page_id}"
             browser = Browser(url, data=Path(specs[-1]["data"]), screenshot=screenshot)
             finished = coord.wait(60 + 60 * rounds)
+            browser.wait_accepted(rounds, 15)  # the test judges the count: this only waits for the last ack
             out["shot"] = browser.wait_for("screenshot", 5)
             out["browser"] = (browser.wait_for("browser", 5) or {}).get("version")
             out["loaded_s"] = (browser.wait_for("loaded", 5) or {}).get("seconds")

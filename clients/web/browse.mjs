@@ -2,7 +2,8 @@
 // Opens the device page in headless Chromium (Debian's /usr/bin/chromium through playwright-core) and keeps it open
 // until stdin closes, for the tests and the benchmark. Prints one JSON object per line: {"event": "browser",
 // "version"}, {"event": "console", "text"}, {"event": "screenshot", "path", "state"} (taken once a report of the page
-// was accepted and it shows ``--shot-when`` text, default any), and at the end {"event": "final", "state"}.
+// was accepted and it shows ``--shot-when`` text, default any), {"event": "accepted", "count"} each time the page's count
+// of accepted reports grows, and at the end {"event": "final", "state"}.
 //   node clients/web/browse.mjs --url URL [--data FILE (picked in the page, then Join)] [--screenshot PNG [--shot-when TEXT]]
 //     [--chromium /usr/bin/chromium]
 import { chromium } from 'playwright-core';
@@ -33,10 +34,15 @@ let done = false;
 process.stdin.on('end', () => { done = true; });
 process.stdin.resume();
 let shot = !args.screenshot;
+let accepted = 0;
 while (!done) {
   await new Promise((r) => setTimeout(r, 100));
+  const s = await snapshot();
+  if (s.accepted > accepted) {
+    accepted = s.accepted;
+    out({ event: 'accepted', count: accepted });
+  }
   if (!shot) {
-    const s = await snapshot();
     if (s.accepted >= 1 && s.state.includes(args['shot-when'] || '')) {  // mid-run: after the first accepted report
       await page.screenshot({ path: args.screenshot, fullPage: true });
       out({ event: 'screenshot', path: args.screenshot, state: s });
