@@ -10,8 +10,10 @@ resends, and the restarted coordinator (or a replay of the ingest inbox) takes t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -126,21 +128,42 @@ class ProgramCatalog:
 class Evaluator:
     """Accuracy of the global model on a held-out split the devices never train on (torch reference)."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray):
+    def __init__(self, x: np.ndarray, y: np.ndarray, *, workers: int | None = None):
+        """``workers``: threads for :meth:`many` (default: 2, or 1 on a single core)."""
         self.x, self.y = x, y
-        self._trainers: dict[str, Any] = {}
+        self._trainers: dict[tuple[str, int], Any] = {}  # one per program and thread: set_weights is the trainer's
+        self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
 
-    def __call__(self, spec: dict, weights: dict[str, np.ndarray]) -> tuple[float, float]:
+    def many(self, models: list[tuple[dict, dict[str, np.ndarray]]]) -> list[tuple[float, float]]:
+        """(loss, accuracy) of several models, side by side: the commit's candidate and the screen's state
+        without its suspects are evaluated when every report is in, so the devices' cores are free, and torch
+        runs its kernels without the GIL. A person's module goes one at a time (its code may not be thread-safe)."""
+        from edge.model import is_module
+        if len(models) < 2 or self.workers < 2 or any(is_module(spec) for spec, _ in models):
+            return [self(spec, w) for spec, w in models]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedge-evaluate")
+        return list(self._pool.map(lambda m: self(*m, slot=threading.get_ident()), models))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __call__(self, spec: dict, weights: dict[str, np.ndarray], *, slot: int = 0) -> tuple[float, float]:
+        """(loss, accuracy); ``slot``: whose trainer (each thread of :meth:`many` has its own)."""
         from edge.model import is_module
         if is_module(spec):  # a person's module: eval mode (BatchNorm running statistics, no dropout)
             from edge.trainers.torch_objectives.usermodel import evaluate
             return evaluate(spec, weights, self.x, self.y)
         from edge.trainers import make_trainer
         prog = torch_program(spec)
-        t = self._trainers.get(prog.hash)
+        key = (prog.hash, slot)
+        t = self._trainers.get(key)
         if t is None:
             # one thread: evaluating a small model on more threads is slower and far noisier (measured)
-            t = self._trainers[prog.hash] = make_trainer("torch", threads=1)
+            t = self._trainers[key] = make_trainer("torch", threads=1)
             t.load(prog.data)
         t.set_weights(weights)
         return t.evaluate(self.x, self.y)
@@ -223,7 +246,8 @@ class Coordinator:
             rec.quarantined_until, rec.quarantines = d["quarantined_until"], d["quarantines"]
         self.programs = programs or ProgramCatalog(background=True)
         self.machine = RoundMachine(rc, strategy, state, self.programs, registry=registry, now=now,
-                                    vet=self._vet if self.evaluator is not None else None)
+                                    vet=self._vet if self.evaluator is not None else None,
+                                    vet_all=self._vet_all if hasattr(self.evaluator, "many") else None)
         self.machine.restore(self.store.closed_tasks())
         take = getattr(self.programs, "take_export_s", None)
         if take is not None:
@@ -251,6 +275,12 @@ class Coordinator:
             spec, weights = self.strategy.global_model(state)
             loss, acc = self.evaluator(spec, weights)
         return {"accuracy": acc, "loss": loss}
+
+    def _vet_all(self, states: list[ServerState]) -> list[dict[str, float]]:
+        """:meth:`_vet` of several candidates, evaluated side by side (Evaluator.many)."""
+        with self._timed("evaluate"):
+            got = self.evaluator.many([self.strategy.global_model(s) for s in states])
+        return [{"accuracy": acc, "loss": loss} for loss, acc in got]
 
     @contextmanager
     def _timed(self, stage: str):
@@ -461,6 +491,8 @@ class Coordinator:
             self.inbox.close()
         if hasattr(self.programs, "close"):
             self.programs.close()
+        if hasattr(self.evaluator, "close"):
+            self.evaluator.close()
 
     @property
     def state(self) -> ServerState:

@@ -247,6 +247,9 @@ Action = Publish | Persist | RoundCommitted | Finished
 # A commit is vetted before it is persisted: metrics of the candidate state (accuracy, loss) from the
 # daemon's evaluator. The machine refuses a non-finite loss or an accuracy collapse.
 Vet = Callable[[ServerState], dict[str, float]]
+# Several candidates vetted at once (the commit's state and the screen's state without its suspects): the daemon
+# evaluates them side by side. Default: one after another through ``vet``.
+VetAll = Callable[[list[ServerState]], list[dict[str, float]]]
 
 
 @dataclass
@@ -304,12 +307,13 @@ def _max_report_bytes(plan: DevicePlan) -> int:
 class RoundMachine:
     def __init__(self, cfg: RoundConfig, strategy: Strategy, state: ServerState,
                  programs: Callable[[dict, str, str, dict], Program], *, registry: Registry | None = None, now: float = 0.0,
-                 vet: Vet | None = None):
+                 vet: Vet | None = None, vet_all: VetAll | None = None):
         self.cfg, self.strategy, self.state, self.programs = cfg, strategy, state, programs
         self.registry = registry or Registry(cfg.quarantine)
         self.registry.stale_after_s, self.registry.forget_after_s = cfg.stale_after_s, cfg.forget_after_s
         self._swept = now  # the last sweep for registrations to forget (tick)
         self.vet = vet
+        self.vet_all = vet_all
         self.open: OpenRound | None = None
         self.attempt = 1
         self.idle_since = now
@@ -998,29 +1002,53 @@ class RoundMachine:
     def _candidate(self, o: OpenRound, acc: Any = None) -> tuple[ServerState | None, dict[str, float], str]:
         """The state this round would commit (from ``acc``, default the round's sums), its metrics, and why it
         must not commit ("" if it may)."""
+        return self._candidates(o, [acc])[0]
+
+    def _candidates(self, o: OpenRound, accs: list[Any]) -> list[tuple[ServerState | None, dict[str, float], str]]:
+        """:meth:`_candidate` of each of ``accs``, their evaluations asked for at once (``vet_all``)."""
+        steps = [self._server_step(o, acc) for acc in accs]
+        if self.vet is None:
+            return [(new, {}, why) for new, why in steps]
+        todo = [new for new, why in steps if not why]
+        try:
+            got = list(self.vet_all(todo)) if self.vet_all is not None and len(todo) > 1 else [self.vet(s) for s in todo]
+        except Exception:  # noqa: BLE001 - one at a time, so that the failure is the one state's
+            log.exception("round %d: evaluating %d candidate states together failed", o.round, len(todo))
+            got = [None] * len(todo)
+        out, it = [], iter(got)
+        for new, why in steps:
+            out.append((new, {}, why) if why else self._judged(o, new, next(it)))
+        return out
+
+    def _server_step(self, o: OpenRound, acc: Any) -> tuple[ServerState | None, str]:
         try:
             new = self.strategy.finish(self.state, o.acc if acc is None else acc)
         except Exception as e:  # noqa: BLE001 - reports were admitted; a failure here still must not stop us
             log.exception("round %d: the server step failed", o.round)
-            return None, {}, f"server step failed: {type(e).__name__}: {e}"
+            return None, f"server step failed: {type(e).__name__}: {e}"
         bad = [k for k, v in list(new.weights.items()) + list(new.opt.items())
                if v.dtype.kind == "f" and not np.isfinite(v).all()]
         if bad:
-            return None, {}, f"new state is not finite ({', '.join(bad[:3])})"
-        metrics: dict[str, float] = {}
-        if self.vet is not None:
+            return None, f"new state is not finite ({', '.join(bad[:3])})"
+        return new, ""
+
+    def _judged(self, o: OpenRound, new: ServerState, metrics: dict[str, float] | None
+                ) -> tuple[ServerState | None, dict[str, float], str]:
+        """A finite candidate and its evaluation (None: evaluate it now) against the accuracy guard."""
+        if metrics is None:
             try:
-                metrics = dict(self.vet(new))
+                metrics = self.vet(new)
             except Exception as e:  # noqa: BLE001 - an evaluation that fails vets nothing
                 log.exception("round %d: evaluating the new state failed", o.round)
                 return None, {}, f"evaluation failed: {type(e).__name__}: {e}"
-            loss, acc = metrics.get("loss"), metrics.get("accuracy")
-            if loss is not None and not math.isfinite(loss):
-                return None, metrics, f"evaluation loss is {loss}"
-            prev = self.history.get("accuracy")
-            drop = self.cfg.admission.max_accuracy_drop
-            if drop is not None and acc is not None and prev is not None and acc < prev - drop:
-                return None, metrics, f"test accuracy would fall from {prev:.4f} to {acc:.4f}"
+        metrics = dict(metrics)
+        loss, acc = metrics.get("loss"), metrics.get("accuracy")
+        if loss is not None and not math.isfinite(loss):
+            return None, metrics, f"evaluation loss is {loss}"
+        prev = self.history.get("accuracy")
+        drop = self.cfg.admission.max_accuracy_drop
+        if drop is not None and acc is not None and prev is not None and acc < prev - drop:
+            return None, metrics, f"test accuracy would fall from {prev:.4f} to {acc:.4f}"
         return new, metrics, ""
 
     def _keep(self, o: OpenRound, device: str, item: tuple) -> None:
@@ -1065,10 +1093,9 @@ class RoundMachine:
         passed = None  # (state, metrics, culprits) of the first set that passes
         for _ in range((len(used) - 1) // 2):
             best = None
-            for d in suspects:
-                if d in out:
-                    continue
-                new, metrics, why = self._candidate(o, self._rebuild([x for x in used if x not in out and x != d]))
+            left = [d for d in suspects if d not in out]
+            found = self._candidates(o, [self._rebuild([x for x in used if x not in out and x != d]) for d in left])
+            for d, (new, metrics, why) in zip(left, found):
                 acc, loss = metrics.get("accuracy"), metrics.get("loss")
                 score = (new is not None, not why, -math.inf if acc is None else acc,
                          -loss if loss is not None and math.isfinite(loss) else -math.inf)
@@ -1085,30 +1112,39 @@ class RoundMachine:
                 passed = (best[2], best[3], list(out))
         return passed
 
-    def _screened(self, o: OpenRound, used: list[str], metrics: dict[str, float]
+    def _suspects(self, o: OpenRound, used: list[str]) -> list[str]:
+        """The reports :meth:`_screened` would leave out first (largest mover first), whatever the commit's
+        metrics: known before its evaluation, so that the state without them is evaluated beside it."""
+        f = self.cfg.admission.screen_factor
+        if (f is None or self.vet is None or o.kept is None or len(used) < 3 or not set(used) <= set(o.kept)
+                or any(o.plans[d].update == "gradient" for d in used)):  # SFVI's sum is exact or nothing
+            return []
+        per = {d: self._per_step(o, d) for d in used}
+        med = float(np.median(list(per.values())))
+        return sorted((d for d in used if per[d] > f * med), key=lambda d: -per[d])[:(len(used) - 1) // 2]
+
+    def _screened(self, o: OpenRound, used: list[str], metrics: dict[str, float],
+                  known: dict[tuple[str, ...], tuple] | None = None
                   ) -> tuple[ServerState, dict[str, float], list[str], str] | None:
         """A commit the guard passed, screened for reports that move far more than this round's others: those
         moving more than ``screen_factor`` times the round's median norm per local step (the round's own median,
         so it works in round 1, before the guard has an accuracy to keep). They are left out together, and stay
         out only if the state without them is :func:`clearly_better` (more accurate, or its test loss falls at
         least twice as far); then each is offered back alone, smallest mover first, and comes back only if the
-        loss falls no less with it. At most a minority goes. An honest fleet's outlier costs an evaluation and
-        stays; a poisoner has to stay under ``screen_factor`` (docs/security.md measures what that buys it).
-        Off for gradients (SFVI), whose sum is exact or nothing. Returns the state, its metrics, the culprits and
-        why, or None."""
+        loss falls no less with it. At most a minority goes. An honest fleet's outlier costs an evaluation (beside
+        the commit's own: :meth:`_suspects`) and stays; a poisoner has to stay under ``screen_factor``
+        (docs/security.md measures what that buys it). Off for gradients (SFVI), whose sum is exact or nothing.
+        ``known``: candidates already evaluated, by the devices they sum. Returns the state, its metrics, the
+        culprits and why, or None."""
         f = self.cfg.admission.screen_factor
         acc0 = metrics.get("accuracy")
-        if (f is None or acc0 is None or o.kept is None or len(used) < 3 or not set(used) <= set(o.kept)
-                or any(o.plans[d].update == "gradient" for d in used)):  # SFVI's sum is exact or nothing
-            return None
-        per = {d: self._per_step(o, d) for d in used}
-        med = float(np.median(list(per.values())))
-        suspects = sorted((d for d in used if per[d] > f * med), key=lambda d: -per[d])[:(len(used) - 1) // 2]
-        if not suspects:
+        suspects = self._suspects(o, used)
+        if acc0 is None or not suspects:
             return None
 
         def without(out: list[str]) -> tuple[ServerState | None, dict[str, float]]:
-            new, m, why = self._candidate(o, self._rebuild([d for d in used if d not in out]))
+            keep = tuple(d for d in used if d not in out)
+            new, m, why = (known or {}).get(keep) or self._candidate(o, self._rebuild(list(keep)))
             return (None, m) if why or m.get("accuracy") is None else (new, m)
 
         before = self.history.get("loss")
@@ -1186,7 +1222,13 @@ class RoundMachine:
         o = self.open
         used = list(o.summed if self.cfg.reproducible else sorted(o.accepted))
         excluded, strikes = self._first_bound(o, used, now)
-        new, metrics, why = self._candidate(o)
+        # the screen's first question (the state without its suspects) is evaluated beside the commit's own
+        rest = [d for d in used if d not in excluded]
+        suspects = self._suspects(o, rest)
+        keep = tuple(d for d in rest if d not in suspects)
+        found = self._candidates(o, [None] + ([self._rebuild(list(keep))] if suspects else []))
+        new, metrics, why = found[0]
+        known = {keep: found[1]} if suspects else {}
         if why:
             found = self._without_culprits(o, [d for d in used if d not in excluded])
             if found is None:
@@ -1199,7 +1241,7 @@ class RoundMachine:
                 strikes += self._reject(d, "report", f"{o.task_id}: left out of the commit, which with it was "
                                         f"refused ({why})", now)
         rest = [d for d in used if d not in excluded]
-        if (screened := self._screened(o, rest, metrics)) is not None:  # those the guard let through, too
+        if (screened := self._screened(o, rest, metrics, known)) is not None:  # those the guard let through, too
             new, metrics, out, why = screened
             log.warning("round %d: committing without %s (%s)", o.round, ", ".join(out), why)
             for d in out:

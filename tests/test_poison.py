@@ -298,3 +298,64 @@ def test_without_the_screen_round_one_flippers_take_the_fleet(tmp_path):
     """The control: the same attack with screen_factor = none (the round-1 bound still on) ends near chance."""
     bus = _poison_run(tmp_path, "fedavg", poisoners={"d1", "d4", "d7"}, admission=R.AdmissionRules(screen_factor=None))
     assert bus.committed[-1]["accuracy"] < 0.5
+
+
+def test_the_screen_asks_its_first_question_beside_the_commit_and_decides_the_same(tmp_path):
+    """The commit's candidate and the screen's state without its suspects are evaluated in one ``vet_all`` call
+    (the daemon runs them side by side: coordinator/daemon.py Evaluator.many), and the run decides exactly as
+    with the evaluations one at a time: the same reports left out, the same metrics, the same weights."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the devices' training too: both runs on one thread, so they can agree to the bit
+    runs = {}
+    try:
+        _both_ways(tmp_path, runs)
+    finally:
+        torch.set_num_threads(threads)
+    (seq, _), (par, calls) = runs[False], runs[True]
+    assert calls and calls[0] == 2, calls  # round 1: the flippers are suspects, asked about with the commit
+    key = ("round", "accepted", "excluded", "accuracy", "loss")
+    assert [{k: s.get(k) for k in key} for s in par.committed] == [{k: s.get(k) for k in key} for s in seq.committed]
+    assert set(par.committed[0]["excluded"]) == {"d1", "d4", "d7"}
+    for k, v in seq.m.state.weights.items():
+        np.testing.assert_array_equal(par.m.state.weights[k], v)
+
+
+def _both_ways(tmp_path, runs):
+    for side_by_side in (False, True):
+        bus = make_poison_bus(tmp_path / str(side_by_side), poisoners={"d1", "d4", "d7"}, start=1, rounds=3,
+                              strategy=POISON_STRATEGIES["fedavg"]())
+        bus.m.cfg.min_reports = 6
+        calls = []
+        if side_by_side:
+            data = digits_federated(10, 0.5, 0)  # make_poison_bus's test split
+            ev = Evaluator(data.x_test, data.y_test, workers=2)
+            strategy = bus.m.strategy
+
+            def vet_all(states, ev=ev, strategy=strategy, calls=calls):
+                calls.append(len(states))
+                return [{"accuracy": a, "loss": lo} for lo, a in ev.many([strategy.global_model(s) for s in states])]
+
+            bus.m.vet_all = vet_all
+        try:
+            run(bus, max_ticks=600)
+        finally:
+            if side_by_side:
+                ev.close()
+        assert bus.m.state.round == 3
+        runs[side_by_side] = (bus, calls)
+
+
+def test_evaluator_many_equals_one_at_a_time():
+    """Evaluator.many on two threads gives each model exactly the (loss, accuracy) it gets alone."""
+    data = digits_federated(4, 0.5, 0)
+    strategy = POISON_STRATEGIES["fedavg"]()
+    models = [strategy.global_model(strategy.init(seed)) for seed in (0, 1, 2)]
+    one = Evaluator(data.x_test, data.y_test, workers=1)
+    two = Evaluator(data.x_test, data.y_test, workers=2)
+    try:
+        alone = [one(*m) for m in models]
+        assert two.many(models) == alone
+        assert len({a for _, a in alone}) > 1  # different models, different answers: the order is checked
+    finally:
+        two.close()
