@@ -46,6 +46,7 @@ from .registry import Eligibility, Pacing, Quarantine, Registry
 from .selection import Reservoir, device_seed, n_to_select, select_ordered, window_seed
 from .strategies.base import DevicePlan, ReportRejected, ServerState, Strategy, drop_differences
 
+SIDE_BY_SIDE = 2  # candidate states evaluated at once (vet_all): the daemon's evaluator threads
 MAX_SUSPECTS = 16  # a refused commit leaves out at most this many candidates, one at a time (the heaviest movers)
 # once the rest passes, a further report is left out only if that raises test accuracy by this much (a colluder
 # the guard alone would let through: measured, 1 of 3 sign-flippers at the bound otherwise stayed in)
@@ -1011,7 +1012,8 @@ class RoundMachine:
             return [(new, {}, why) for new, why in steps]
         todo = [new for new, why in steps if not why]
         try:
-            got = list(self.vet_all(todo)) if self.vet_all is not None and len(todo) > 1 else [self.vet(s) for s in todo]
+            together = self.vet_all is not None and len(todo) > 1
+            got = list(self.vet_all(todo)) if together else [self.vet(s) for s in todo]
         except Exception:  # noqa: BLE001 - one at a time, so that the failure is the one state's
             log.exception("round %d: evaluating %d candidate states together failed", o.round, len(todo))
             got = [None] * len(todo)
@@ -1094,7 +1096,10 @@ class RoundMachine:
         for _ in range((len(used) - 1) // 2):
             best = None
             left = [d for d in suspects if d not in out]
-            found = self._candidates(o, [self._rebuild([x for x in used if x not in out and x != d]) for d in left])
+            found = []
+            for i in range(0, len(left), SIDE_BY_SIDE):  # a few sums in memory at a time, not MAX_SUSPECTS
+                found += self._candidates(o, [self._rebuild([x for x in used if x not in out and x != d])
+                                              for d in left[i:i + SIDE_BY_SIDE]])
             for d, (new, metrics, why) in zip(left, found):
                 acc, loss = metrics.get("accuracy"), metrics.get("loss")
                 score = (new is not None, not why, -math.inf if acc is None else acc,
@@ -1226,9 +1231,9 @@ class RoundMachine:
         rest = [d for d in used if d not in excluded]
         suspects = self._suspects(o, rest)
         keep = tuple(d for d in rest if d not in suspects)
-        found = self._candidates(o, [None] + ([self._rebuild(list(keep))] if suspects else []))
-        new, metrics, why = found[0]
-        known = {keep: found[1]} if suspects else {}
+        cands = self._candidates(o, [None] + ([self._rebuild(list(keep))] if suspects else []))
+        new, metrics, why = cands[0]
+        known = {keep: cands[1]} if suspects else {}
         if why:
             found = self._without_culprits(o, [d for d in used if d not in excluded])
             if found is None:

@@ -300,50 +300,62 @@ def test_without_the_screen_round_one_flippers_take_the_fleet(tmp_path):
     assert bus.committed[-1]["accuracy"] < 0.5
 
 
-def test_the_screen_asks_its_first_question_beside_the_commit_and_decides_the_same(tmp_path):
+SIDE_BY_SIDE_CASES = {
+    # round 1: three flippers are the screen's suspects, asked about beside the commit's own state
+    "screen": dict(poisoners={"d1", "d4", "d7"}, start=1, rounds=3, strategy=POISON_STRATEGIES["fedavg"]),
+    # from round 5 a liar the guard refuses: the culprit search asks for its leave-one-out states two at a time
+    "refused": dict(poisoners={"d3"}, start=5, lie=10**6, rounds=6,
+                    admission=R.AdmissionRules(max_weight_factor=None)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SIDE_BY_SIDE_CASES))
+def test_candidates_evaluated_side_by_side_decide_as_one_at_a_time(tmp_path, case):
     """The commit's candidate and the screen's state without its suspects are evaluated in one ``vet_all`` call
-    (the daemon runs them side by side: coordinator/daemon.py Evaluator.many), and the run decides exactly as
-    with the evaluations one at a time: the same reports left out, the same metrics, the same weights."""
+    (the daemon runs them side by side: coordinator/daemon.py Evaluator.many), and so are a refused commit's
+    leave-one-out states, two at a time; the run decides exactly as with the evaluations one at a time: the same
+    reports left out, the same metrics, the same weights."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the devices' training too: both runs on one thread, so they can agree to the bit
-    runs = {}
     try:
-        _both_ways(tmp_path, runs)
+        (seq, _), (par, calls) = (_run_vetting(tmp_path / str(both), both, **SIDE_BY_SIDE_CASES[case])
+                                  for both in (False, True))
     finally:
         torch.set_num_threads(threads)
-    (seq, _), (par, calls) = runs[False], runs[True]
-    assert calls and calls[0] == 2, calls  # round 1: the flippers are suspects, asked about with the commit
+    assert 2 in calls, calls
     key = ("round", "accepted", "excluded", "accuracy", "loss")
     assert [{k: s.get(k) for k in key} for s in par.committed] == [{k: s.get(k) for k in key} for s in seq.committed]
-    assert set(par.committed[0]["excluded"]) == {"d1", "d4", "d7"}
+    left = [set(s["excluded"]) for s in par.committed if s.get("excluded")]
+    assert left and left[0] == SIDE_BY_SIDE_CASES[case]["poisoners"], left
     for k, v in seq.m.state.weights.items():
         np.testing.assert_array_equal(par.m.state.weights[k], v)
 
 
-def _both_ways(tmp_path, runs):
-    for side_by_side in (False, True):
-        bus = make_poison_bus(tmp_path / str(side_by_side), poisoners={"d1", "d4", "d7"}, start=1, rounds=3,
-                              strategy=POISON_STRATEGIES["fedavg"]())
-        bus.m.cfg.min_reports = 6
-        calls = []
-        if side_by_side:
-            data = digits_federated(10, 0.5, 0)  # make_poison_bus's test split
-            ev = Evaluator(data.x_test, data.y_test, workers=2)
-            strategy = bus.m.strategy
+def _run_vetting(tmp_path, side_by_side: bool, *, strategy=None, **kw):
+    """A poison run, its candidates evaluated one at a time (``vet``) or side by side (``vet_all``: the sizes of
+    the batches asked for are returned)."""
+    bus = make_poison_bus(tmp_path, strategy=strategy() if strategy else None, **kw)
+    bus.m.cfg.min_reports = 6
+    calls: list[int] = []
+    ev = None
+    if side_by_side:
+        data = digits_federated(10, 0.5, 0)  # make_poison_bus's test split
+        ev = Evaluator(data.x_test, data.y_test, workers=2)
+        st = bus.m.strategy
 
-            def vet_all(states, ev=ev, strategy=strategy, calls=calls):
-                calls.append(len(states))
-                return [{"accuracy": a, "loss": lo} for lo, a in ev.many([strategy.global_model(s) for s in states])]
+        def vet_all(states):
+            calls.append(len(states))
+            return [{"accuracy": a, "loss": lo} for lo, a in ev.many([st.global_model(s) for s in states])]
 
-            bus.m.vet_all = vet_all
-        try:
-            run(bus, max_ticks=600)
-        finally:
-            if side_by_side:
-                ev.close()
-        assert bus.m.state.round == 3
-        runs[side_by_side] = (bus, calls)
+        bus.m.vet_all = vet_all
+    try:
+        run(bus, max_ticks=600)
+    finally:
+        if ev is not None:
+            ev.close()
+    assert bus.m.state.round == kw["rounds"]
+    return bus, calls
 
 
 def test_evaluator_many_equals_one_at_a_time():
