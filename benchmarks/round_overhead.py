@@ -51,7 +51,10 @@ processes used over the rounds, divided by the rounds, and ``cores_busy``, their
 It says how close to the machine's limit a round is: on 2 cores a round cannot take less wall time than half
 its CPU, whatever the overlap, while the floor spends about its round time on one core.
 ``page_faults_per_round``: the minor page faults of the same processes, per round (large buffers mapped afresh
-show there: edge/runtime/allocator.py).
+show there: edge/runtime/allocator.py). ``coordinator_cpu_s_per_round`` splits the coordinator's CPU by thread
+(its network thread, the evaluator's pool, the rest) and, on the network thread, by the daemon's timed stages
+(``receive``, ``persist``, ``publish``, ``evaluate``, ...; each timed with ``thread_time``), the remainder being
+paho's socket reads and writes and the link's loop (``paho_and_loop``).
 """
 from __future__ import annotations
 
@@ -214,6 +217,7 @@ class Timeline(Observer):
 
     def __init__(self):
         self.stage_log: list[tuple[float, float, str]] = []  # (start, end, name)
+        self.stage_cpu: list[tuple[float, float, str, float]] = []  # (start, end, name, CPU s of its thread)
         self.message_log: list[tuple[float, str]] = []  # (arrival, topic)
         self.publish_log: list[tuple[float, str]] = []  # (handed to paho, topic)
         self.persist_log: list[tuple[float, str, dict]] = []
@@ -227,6 +231,7 @@ class Timeline(Observer):
     def stage(self, name, wall_s, cpu_s):
         t = time.time()
         self.stage_log.append((t - wall_s, t, name))
+        self.stage_cpu.append((t - wall_s, t, name, cpu_s))
 
     def persisted(self, what, data):
         if what in ("open", "commit", "abandon"):
@@ -379,6 +384,50 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
+def coordinator_threads() -> dict[str, float]:
+    """CPU seconds so far of this process's threads, by role: the coordinator's network thread (its MQTT link:
+    paho, the round machine's handlers, the durable writes), the evaluator's pool, and the rest (this
+    benchmark's main thread waiting, the catalog's workers)."""
+    import threading
+    import psutil
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {"network": 0.0, "evaluator": 0.0, "other": 0.0}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "")
+        role = ("network" if name.startswith("mqtt-fedge-coordinator") else
+                "evaluator" if name.startswith("fedge-evaluate") else "other")
+        out[role] += t.user_time + t.system_time
+    return out
+
+
+def coordinator_split(tl: Timeline, threads0: dict[str, float], threads1: dict[str, float], w0: float, w1: float,
+                      rounds: int) -> dict[str, float]:
+    """The coordinator's CPU per round, by thread and, on its network thread, by handler stage (the observer's
+    ``stage`` hook times each with ``thread_time``): ``receive`` (decoding, admitting and summing reports; the
+    commit's own work), ``persist`` (the durable writes), ``publish`` (plans and acks handed to paho), ``plans``,
+    ``tick``, ``evaluate`` (the network thread's share of the vetting evaluation); ``paho_and_loop`` is the rest
+    of the network thread: paho reading and writing the sockets, and the link's loop."""
+    n = max(1, rounds)
+    spans = [x for x in tl.stage_cpu if w0 <= x[1] <= w1]
+    by_stage: dict[str, float] = defaultdict(float)
+    for _s, _e, name, cpu in spans:
+        by_stage[name] += cpu
+    # "evaluate" runs inside a "receive" or "tick" handler, whose CPU counts it too: taken out of that one
+    for s0, e0, name, cpu in spans:
+        if name == "evaluate":
+            host = next((h for s1, e1, h, _c in spans if h in ("receive", "tick") and s1 <= s0 and e0 <= e1 + 1e-3),
+                        None)
+            if host is not None:
+                by_stage[host] -= cpu
+    out = {f"network_{k}": v / n for k, v in sorted(by_stage.items())}
+    network = threads1["network"] - threads0["network"]
+    out["network_paho_and_loop"] = max(0.0, network - sum(by_stage.values())) / n
+    out["network_total"] = network / n
+    out["evaluator_threads"] = (threads1["evaluator"] - threads0["evaluator"]) / n
+    out["other_threads"] = (threads1["other"] - threads0["other"]) / n
+    return out
+
+
 def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
     from coordinator.broker import start_broker
     from coordinator.report import run_report
@@ -399,10 +448,10 @@ def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
         if not coord.link.connected.wait(30):
             raise TimeoutError(f"coordinator could not connect to {broker.url}")
         fleet = DeviceFleet(specs, broker.url, cfg.processes, worker=timed_worker, worker_args=(str(ev_dir),))
-        cpu0, w0 = cpu_seconds(), time.time()  # the devices have started, warmed up and checked in
+        cpu0, th0, w0 = cpu_seconds(), coordinator_threads(), time.time()  # devices started, warmed up, checked in
         if not coord.wait(max(600.0, 30.0 * cfg.rounds)):
             raise TimeoutError(f"fleet run did not finish; {len(tl.commit_log)} of {cfg.rounds} rounds committed")
-        cpu1, w1 = cpu_seconds(), time.time()
+        cpu1, th1, w1 = cpu_seconds(), coordinator_threads(), time.time()
         if coord.error:
             raise RuntimeError("coordinator failed") from coord.error
     finally:
@@ -421,7 +470,8 @@ def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
     cpu = {k: v for k, v in per.items() if not k.endswith("_faults")}
     faults = {k.removesuffix("_faults"): round(v) for k, v in per.items() if k.endswith("_faults")}
     return {"rows": rows, "summaries": summaries, "report": rep, "wall_s": wall, "timeline": tl, "events": events,
-            "cpu_s_per_round": cpu, "page_faults_per_round": faults, "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
+            "cpu_s_per_round": cpu, "page_faults_per_round": faults,
+            "coordinator_cpu_s_per_round": coordinator_split(tl, th0, th1, w0, w1, len(summaries)), "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
 
 
 def summarise(fedge: dict, floors: list[dict], cfg) -> dict[str, Any]:
@@ -454,6 +504,7 @@ def summarise(fedge: dict, floors: list[dict], cfg) -> dict[str, Any]:
         "coordinator_busy_s_median": statistics.median([r["coordinator_busy_s"] for r in rows]),
         # CPU a round costs, by process (mean over the run): the floor spends about its round time on one core
         "cpu_s_per_round": fedge["cpu_s_per_round"],
+        "coordinator_cpu_s_per_round": fedge["coordinator_cpu_s_per_round"],
         "page_faults_per_round": fedge["page_faults_per_round"],
         "cores_busy": fedge["cores_busy"],
         "unaccounted_s_max": max(abs(r["unaccounted_s"]) for r in rows),
@@ -487,6 +538,11 @@ def table(res: dict) -> str:
     lines.append(f"CPU per round: {1e3 * sum(cpu.values()):.0f} ms (" + ", ".join(
         f"{k} {1e3 * v:.0f}" for k, v in cpu.items()) + f"), {res['cores_busy']:.2f} of {res['cpus']} cores busy; "
         f"the floor: about {1e3 * res['floor_median_round_s']:.0f} ms on one core")
+    co = res["coordinator_cpu_s_per_round"]
+    lines.append(f"coordinator CPU per round: network thread {1e3 * co['network_total']:.0f} ms (" + ", ".join(
+        f"{k.removeprefix('network_')} {1e3 * v:.1f}" for k, v in co.items()
+        if k.startswith("network_") and k != "network_total") + f"), evaluator threads "
+        f"{1e3 * co['evaluator_threads']:.1f}, other {1e3 * co['other_threads']:.1f}")
     lines.append("page faults per round: " + ", ".join(f"{k} {v}" for k, v in res["page_faults_per_round"].items()))
     lines.append("slowest rounds: " + "; ".join(
         f"{r['round']}: {1e3 * r['round_s']:.0f} ms ({max(STAGES, key=lambda k: r['stages'][k])} "

@@ -371,3 +371,33 @@ def test_evaluator_many_equals_one_at_a_time():
         assert len({a for _, a in alone}) > 1  # different models, different answers: the order is checked
     finally:
         two.close()
+
+
+def test_evaluator_shards_give_the_whole_splits_loss_and_accuracy():
+    """The evaluator's shards, one after another or side by side, give the mean cross-entropy and the accuracy
+    of the whole test split: checked against a float64 forward written here, on an odd split (uneven shards),
+    with weights scaled so that the loss is far from chance and the predictions are not all one class."""
+    data = digits_federated(4, 0.5, 0)
+    x, y = data.x_test[:359], data.y_test[:359]  # 359 rows: shards of 179 and 180
+    spec = M.mlp([64, 32, 10])
+    w = M.init_weights(spec, 5)
+    h = np.maximum(x.astype(np.float64) @ w["fc0.weight"].T.astype(np.float64) + w["fc0.bias"], 0.0)
+    means = np.stack([h[y == c].mean(0) for c in range(10)])  # a nearest-mean classifier on the hidden layer
+    w["fc1.weight"] = (20.0 * means).astype(np.float32)
+    w["fc1.bias"] = (-10.0 * (means ** 2).sum(1)).astype(np.float32)
+    logits = h @ w["fc1.weight"].T.astype(np.float64) + w["fc1.bias"]
+    z = logits - logits.max(1, keepdims=True)
+    ce = -(z[np.arange(len(y)), y] - np.log(np.exp(z).sum(1)))
+    ref_loss, ref_acc = ce.mean(), (logits.argmax(1) == y).mean()
+    assert 0.3 < ref_acc < 0.9 and abs(ref_loss - np.log(10)) > 0.3  # every term moves the answer
+    one = Evaluator(x, y, workers=1)
+    two = Evaluator(x, y, workers=2)
+    try:
+        assert one.shards == [(0, 179), (179, 359)]
+        loss, acc = one(spec, w)
+        assert acc == ref_acc
+        assert abs(loss - ref_loss) <= 1e-5 * ref_loss  # float32 logits of 64 inputs: ~1e-7 relative each
+        assert two.many([(spec, w)]) == [(loss, acc)]  # side by side: the same numbers to the bit
+        assert one.many([(spec, w)]) == [(loss, acc)]
+    finally:
+        two.close()
