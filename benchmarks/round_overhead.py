@@ -471,7 +471,8 @@ def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
     faults = {k.removesuffix("_faults"): round(v) for k, v in per.items() if k.endswith("_faults")}
     return {"rows": rows, "summaries": summaries, "report": rep, "wall_s": wall, "timeline": tl, "events": events,
             "cpu_s_per_round": cpu, "page_faults_per_round": faults,
-            "coordinator_cpu_s_per_round": coordinator_split(tl, th0, th1, w0, w1, len(summaries)), "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
+            "coordinator_cpu_s_per_round": coordinator_split(tl, th0, th1, w0, w1, len(summaries)),
+            "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
 
 
 def summarise(fedge: dict, floors: list[dict], cfg) -> dict[str, Any]:

@@ -128,11 +128,12 @@ class ProgramCatalog:
 class Evaluator:
     """Accuracy of the global model on a held-out split the devices never train on (torch reference).
 
-    The split is evaluated as ``SHARDS`` contiguous shards whose losses and hits are summed, one after another in
-    :meth:`__call__` and side by side in :meth:`many`: the same numbers either way, on any number of cores (the
-    rows of a shard go through the same kernels as the whole split's; only the loss's sum is in a fixed other
-    order). The vetting evaluation runs when every report of the round is in, so the devices' core is free: on
-    two threads it takes about half the time, and it sits on the round's critical path."""
+    A spec's network scores the split as ``SHARDS`` contiguous shards whose losses and hits are summed, one after
+    another in :meth:`__call__` and side by side in :meth:`many`: the same numbers either way, on any number of
+    cores (the rows of a shard go through the same kernels as the whole split's; only the loss's sum is in a fixed
+    other order). The vetting evaluation runs when every report of the round is in, so the devices' core is free:
+    on two threads it takes about two thirds of the time, and it sits on the round's critical path. A person's
+    module scores the split whole, one model at a time."""
 
     SHARDS = 2
 
