@@ -299,10 +299,10 @@ class Coordinator:
 
     def _vet(self, state: ServerState) -> dict[str, float]:
         """Test metrics of a candidate state, before it may commit (the round machine refuses a collapse)."""
+        if hasattr(self.evaluator, "many"):  # its shards side by side: the same numbers, sooner
+            return self._vet_all([state])[0]
         with self._timed("evaluate"):
-            model = self.strategy.global_model(state)
-            many = getattr(self.evaluator, "many", None)  # its shards side by side: the same numbers, sooner
-            loss, acc = many([model])[0] if many is not None else self.evaluator(*model)
+            loss, acc = self.evaluator(*self.strategy.global_model(state))
         return {"accuracy": acc, "loss": loss}
 
     def _vet_all(self, states: list[ServerState]) -> list[dict[str, float]]:
