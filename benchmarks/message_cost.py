@@ -1,18 +1,22 @@
-"""What one MQTT message costs fedge's Python adapter, with and without the allocator thresholds.
+"""What one MQTT message costs fedge's MQTT adapter: with and without the allocator thresholds, and on each of
+its two MQTT clients.
 
 ``python benchmarks/message_cost.py [--repeats 3] [--quick]`` writes ``runs/bench/message_cost.json``.
 
-Two :class:`edge.runtime.mqtt.MqttLink` links (paho, one network thread each, as a device and the coordinator
-have) on a private Mosquitto: one publishes N messages of a size at QoS 1, the other receives them. Per
-message: the CPU of the process (both links, both directions of paho, the publishing loop) and its minor page
-faults, at 100 B (a check-in), 256 KB (a chunk at the default ``chunk_bytes`` before it became 1020 KiB) and 800 KB (a whole dense
+Two :class:`edge.runtime.mqtt.MqttLink` links (one network thread each, as a device and the coordinator have) on
+a private Mosquitto: one publishes N messages of a size at QoS 1, the other receives them. Per message: the CPU
+of the process (both links, both directions, the publishing loop) and its minor page faults, at 100 B (a
+check-in), 256 KB (a chunk at the default ``chunk_bytes`` before it became 1020 KiB) and 800 KB (a whole dense
 plan of a 200k-parameter model). Each configuration runs in a fresh child process, alternating, ``--repeats``
 times; the table holds the medians:
 
-- ``default``: glibc's own thresholds (``FEDGE_MALLOC_TUNE=0``);
-- ``tuned``: what every fedge process runs with (edge/runtime/allocator.py: ``keep_large_buffers``).
+- ``default``: glibc's own thresholds (``FEDGE_MALLOC_TUNE=0``), the links' own client (libmosquitto where
+  installed);
+- ``tuned``: what every fedge process runs with (edge/runtime/allocator.py: ``keep_large_buffers``), the same client;
+- ``paho``: tuned, with every link on paho-mqtt (``FEDGE_MQTT_CLIENT=paho``), the pure-Python client.
 
-The ratio default/tuned is measured in one run. The CPU is a property of the machine; the page faults are not.
+The ratios default/tuned and paho/tuned are measured in one run. The CPU is a property of the machine; the page
+faults are not.
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ def measure(scale: float) -> dict:
                 raise TimeoutError(f"no connection to {broker.url}")
         time.sleep(0.3)  # both subscribed
         out["tuned"] = bool(allocator._done)
+        out["client"] = links[0].backend
         for size, n in SIZES:
             n = max(5, int(n * scale))
             payload = os.urandom(size)
@@ -88,8 +93,8 @@ def measure(scale: float) -> dict:
     return out
 
 
-def _child(tune: bool, scale: float) -> dict:
-    env = dict(os.environ, FEDGE_MALLOC_TUNE="1" if tune else "0")
+def _child(tune: bool, scale: float, client: str = "") -> dict:
+    env = dict(os.environ, FEDGE_MALLOC_TUNE="1" if tune else "0", FEDGE_MQTT_CLIENT=client)
     for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         env.pop(k, None)
     r = subprocess.run([sys.executable, __file__, "--child", str(scale)], env=env, capture_output=True, text=True,
@@ -111,25 +116,33 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(a.child)))
         return 0
     scale, repeats = (0.2, 1) if a.quick else (1.0, max(1, a.repeats))
-    runs: dict[str, list[dict]] = {"default": [], "tuned": []}
+    runs: dict[str, list[dict]] = {"default": [], "tuned": [], "paho": []}
     for _ in range(repeats):
         runs["default"].append(_child(False, scale))
         runs["tuned"].append(_child(True, scale))
+        runs["paho"].append(_child(True, scale, "paho"))
     if not all(r["tuned"] for r in runs["tuned"]):
         print("note: the allocator thresholds could not be set here (not glibc?): both columns are the default")
     res: dict = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                 "libc": "-".join(platform.libc_ver()), "repeats": repeats, "sizes": {}}
-    lines = [f"{'bytes':>8} {'CPU ms/msg default':>19} {'tuned':>7} {'ratio':>6} {'faults/msg default':>19} {'tuned':>7}"]
+                 "libc": "-".join(platform.libc_ver()), "repeats": repeats,
+                 "client": runs["tuned"][0]["client"], "sizes": {}}
+    if res["client"] == "paho":
+        print("note: libmosquitto is not installed here: every column is paho")
+    lines = [f"client: {res['client']} (default, tuned), paho (paho)",
+             f"{'bytes':>8} {'CPU ms/msg default':>19} {'tuned':>7} {'paho':>7} {'default/tuned':>14} "
+             f"{'paho/tuned':>11} {'faults/msg default':>19} {'tuned':>7} {'paho':>7}"]
     for size, _n in SIZES:
         row = {}
         for cfg, rs in runs.items():
             row[cfg] = {k: statistics.median(r[str(size)][k] for r in rs) for k in ("cpu_ms", "wall_ms", "page_faults")}
             row[cfg]["cpu_ms_each"] = [r[str(size)]["cpu_ms"] for r in rs]
         row["cpu_ratio_default_to_tuned"] = row["default"]["cpu_ms"] / max(1e-9, row["tuned"]["cpu_ms"])
+        row["cpu_ratio_paho_to_tuned"] = row["paho"]["cpu_ms"] / max(1e-9, row["tuned"]["cpu_ms"])
         res["sizes"][str(size)] = row
         lines.append(f"{size:>8} {row['default']['cpu_ms']:>19.3f} {row['tuned']['cpu_ms']:>7.3f} "
-                     f"{row['cpu_ratio_default_to_tuned']:>5.2f}x {row['default']['page_faults']:>19.1f} "
-                     f"{row['tuned']['page_faults']:>7.1f}")
+                     f"{row['paho']['cpu_ms']:>7.3f} {row['cpu_ratio_default_to_tuned']:>13.2f}x "
+                     f"{row['cpu_ratio_paho_to_tuned']:>10.2f}x {row['default']['page_faults']:>19.1f} "
+                     f"{row['tuned']['page_faults']:>7.1f} {row['paho']['page_faults']:>7.1f}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print("\n".join(lines))

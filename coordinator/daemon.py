@@ -328,7 +328,9 @@ class Coordinator:
 
     def on_message(self, link, topic, payload, now):
         # The machine never raises on network input (it logs, records and drops); returning normally is
-        # what lets paho acknowledge the message, so a bad one is never redelivered into a crash loop.
+        # what lets paho acknowledge the message, so a bad one is never redelivered into a crash loop
+        # (libmosquitto acknowledges before the handler runs; a report lost to a crash is resent by its device,
+        # which resends until the coordinator's own ack).
         self.observer.message(topic, len(payload), now)
         self._guard("receive", lambda: self.machine.receive(topic, payload, now))
 

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+from . import libmosquitto
 from .allocator import keep_large_buffers
 from .backoff import Backoff
 
@@ -107,8 +108,12 @@ class MqttLink:
         self.backoff = backoff or Backoff(0.2, 30.0)
         self.keepalive = keepalive
         self.mqtt5, self._clean = mqtt5, clean_session
+        self.backend = "paho"
         if mqtt5:  # MQTT 5 has clean_start + a session expiry instead of clean_session
             c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        elif not broker.tls and libmosquitto.available():  # the C client: libmosquitto.py says why
+            c = libmosquitto.Client(client_id, clean_session)
+            self.backend = "libmosquitto"
         else:
             c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
                             protocol=mqtt.MQTTv311)
@@ -182,7 +187,10 @@ class MqttLink:
         if self.new_id_on_takeover:
             import secrets
             self.client_id = f"{self.base_client_id}-{secrets.token_hex(4)}"
-            self.client._client_id = self.client_id.encode()  # paho has no setter; read at the next CONNECT
+            if self.backend == "libmosquitto":
+                self.client.reinitialise(self.client_id)
+            else:
+                self.client._client_id = self.client_id.encode()  # paho has no setter; read at the next CONNECT
         if now - self._takeover_warned >= 60.0 or self.new_id_on_takeover:
             self._takeover_warned = now
             log.warning("%s: taken off the broker at %s %s: most likely another client is connecting with this "
