@@ -54,7 +54,8 @@ its CPU, whatever the overlap, while the floor spends about its round time on on
 show there: edge/runtime/allocator.py). ``coordinator_cpu_s_per_round`` splits the coordinator's CPU by thread
 (its network thread, the evaluator's pool, the rest) and, on the network thread, by the daemon's timed stages
 (``receive``, ``persist``, ``publish``, ``evaluate``, ...; each timed with ``thread_time``), the remainder being
-paho's socket reads and writes and the link's loop (``paho_and_loop``).
+the MQTT client's socket reads and writes and the link's loop (``mqtt_and_loop``; ``config.mqtt_client`` says
+which client: libmosquitto where installed, paho with ``FEDGE_MQTT_CLIENT=paho``).
 """
 from __future__ import annotations
 
@@ -404,9 +405,9 @@ def coordinator_split(tl: Timeline, threads0: dict[str, float], threads1: dict[s
                       rounds: int) -> dict[str, float]:
     """The coordinator's CPU per round, by thread and, on its network thread, by handler stage (the observer's
     ``stage`` hook times each with ``thread_time``): ``receive`` (decoding, admitting and summing reports; the
-    commit's own work), ``persist`` (the durable writes), ``publish`` (plans and acks handed to paho), ``plans``,
-    ``tick``, ``evaluate`` (the network thread's share of the vetting evaluation); ``paho_and_loop`` is the rest
-    of the network thread: paho reading and writing the sockets, and the link's loop."""
+    commit's own work), ``persist`` (the durable writes), ``publish`` (plans and acks handed to the MQTT client),
+    ``plans``, ``tick``, ``evaluate`` (the network thread's share of the vetting evaluation); ``mqtt_and_loop`` is
+    the rest of the network thread: the MQTT client reading and writing the sockets, and the link's loop."""
     n = max(1, rounds)
     spans = [x for x in tl.stage_cpu if w0 <= x[1] <= w1]
     by_stage: dict[str, float] = defaultdict(float)
@@ -421,7 +422,7 @@ def coordinator_split(tl: Timeline, threads0: dict[str, float], threads1: dict[s
                 by_stage[host] -= cpu
     out = {f"network_{k}": v / n for k, v in sorted(by_stage.items())}
     network = threads1["network"] - threads0["network"]
-    out["network_paho_and_loop"] = max(0.0, network - sum(by_stage.values())) / n
+    out["network_mqtt_and_loop"] = max(0.0, network - sum(by_stage.values())) / n
     out["network_total"] = network / n
     out["evaluator_threads"] = (threads1["evaluator"] - threads0["evaluator"]) / n
     out["other_threads"] = (threads1["other"] - threads0["other"]) / n
@@ -472,6 +473,7 @@ def run_fedge(cfg, specs, data, work: Path) -> dict[str, Any]:
     return {"rows": rows, "summaries": summaries, "report": rep, "wall_s": wall, "timeline": tl, "events": events,
             "cpu_s_per_round": cpu, "page_faults_per_round": faults,
             "coordinator_cpu_s_per_round": coordinator_split(tl, th0, th1, w0, w1, len(summaries)),
+            "mqtt_client": coord.link.backend,
             "cores_busy": sum(cpu.values()) * max(1, len(summaries)) / max(1e-9, w1 - w0)}
 
 
@@ -540,7 +542,8 @@ def table(res: dict) -> str:
         f"{k} {1e3 * v:.0f}" for k, v in cpu.items()) + f"), {res['cores_busy']:.2f} of {res['cpus']} cores busy; "
         f"the floor: about {1e3 * res['floor_median_round_s']:.0f} ms on one core")
     co = res["coordinator_cpu_s_per_round"]
-    lines.append(f"coordinator CPU per round: network thread {1e3 * co['network_total']:.0f} ms (" + ", ".join(
+    lines.append(f"coordinator CPU per round ({res['config'].get('mqtt_client', '?')}): network thread "
+                 f"{1e3 * co['network_total']:.0f} ms (" + ", ".join(
         f"{k.removeprefix('network_')} {1e3 * v:.1f}" for k, v in co.items()
         if k.startswith("network_") and k != "network_total") + f"), evaluator threads "
         f"{1e3 * co['evaluator_threads']:.1f}, other {1e3 * co['other_threads']:.1f}")
@@ -598,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("floor (after)")
     floors.append(run_floor(specs, cfg, test))
     res |= summarise(fedge, floors, cfg)
+    res["config"]["mqtt_client"] = fedge["mqtt_client"]
     res["loadavg_end"] = os.getloadavg()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")

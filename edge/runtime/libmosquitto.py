@@ -59,19 +59,32 @@ def _load() -> Any:
     except OSError:
         log.debug("libmosquitto not found: MQTT links use paho")
         return None
-    vp, ci, cp = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
-    sig = {"mosquitto_lib_init": ([], ci), "mosquitto_new": ([cp, ctypes.c_bool, vp], vp),
-           "mosquitto_destroy": ([vp], None), "mosquitto_int_option": ([vp, ci, ci], ci),
-           "mosquitto_username_pw_set": ([vp, cp, cp], ci), "mosquitto_will_set": ([vp, cp, ci, cp, ci, ctypes.c_bool], ci),
-           "mosquitto_max_inflight_messages_set": ([vp, ctypes.c_uint], ci),
-           "mosquitto_connect": ([vp, cp, ci, ci], ci), "mosquitto_disconnect": ([vp], ci),
-           "mosquitto_publish": ([vp, ctypes.POINTER(ci), cp, ci, cp, ci, ctypes.c_bool], ci),
-           "mosquitto_subscribe": ([vp, ctypes.POINTER(ci), cp, ci], ci),
-           "mosquitto_loop_read": ([vp, ci], ci), "mosquitto_loop_write": ([vp, ci], ci),
-           "mosquitto_loop_misc": ([vp], ci), "mosquitto_socket": ([vp], ci), "mosquitto_want_write": ([vp], ctypes.c_bool),
-           "mosquitto_connect_callback_set": ([vp, _ON_RC], None), "mosquitto_disconnect_callback_set": ([vp, _ON_RC], None),
-           "mosquitto_publish_callback_set": ([vp, _ON_RC], None),
-           "mosquitto_message_callback_set": ([vp, _ON_MESSAGE], None), "mosquitto_strerror": ([ci], cp)}
+    vp, ci, cp, b, on_rc, on_msg = (ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_bool, _ON_RC,
+                                    _ON_MESSAGE)
+    pi = ctypes.POINTER(ci)
+    sig = {  # name: (argument types, result type), as mosquitto.h declares them
+        "mosquitto_lib_init": ([], ci),
+        "mosquitto_new": ([cp, b, vp], vp),
+        "mosquitto_destroy": ([vp], None),
+        "mosquitto_int_option": ([vp, ci, ci], ci),
+        "mosquitto_username_pw_set": ([vp, cp, cp], ci),
+        "mosquitto_will_set": ([vp, cp, ci, cp, ci, b], ci),
+        "mosquitto_max_inflight_messages_set": ([vp, ctypes.c_uint], ci),
+        "mosquitto_connect": ([vp, cp, ci, ci], ci),
+        "mosquitto_disconnect": ([vp], ci),
+        "mosquitto_publish": ([vp, pi, cp, ci, cp, ci, b], ci),
+        "mosquitto_subscribe": ([vp, pi, cp, ci], ci),
+        "mosquitto_loop_read": ([vp, ci], ci),
+        "mosquitto_loop_write": ([vp, ci], ci),
+        "mosquitto_loop_misc": ([vp], ci),
+        "mosquitto_socket": ([vp], ci),
+        "mosquitto_want_write": ([vp], b),
+        "mosquitto_connect_callback_set": ([vp, on_rc], None),
+        "mosquitto_disconnect_callback_set": ([vp, on_rc], None),
+        "mosquitto_publish_callback_set": ([vp, on_rc], None),
+        "mosquitto_message_callback_set": ([vp, on_msg], None),
+        "mosquitto_strerror": ([ci], cp),
+    }
     try:
         for fn, (args, res) in sig.items():
             f = getattr(lib, fn)
@@ -250,6 +263,8 @@ class Client:
     def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> PublishInfo:
         """Queued (and written at once if the socket takes it); a QoS 1 message is kept and resent across
         reconnections until the broker confirms it, also when published while disconnected."""
+        if type(payload) is not bytes:  # bytearray, memoryview: what paho takes too
+            payload = bytes(payload)
         rc = self._lib.mosquitto_publish(self._m, ctypes.byref(self._mid), topic.encode(), len(payload), payload,
                                          qos, retain)
         info = PublishInfo(self._mid.value, qos == 0 and rc == MOSQ_ERR_SUCCESS)
