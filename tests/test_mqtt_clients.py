@@ -102,6 +102,28 @@ def test_messages_arrive_whole_and_in_order_and_the_broker_confirms_them(client)
             tx.stop()
 
 
+def test_publishes_from_another_thread_are_all_confirmed(client):
+    """MqttLink.publish from a thread other than the link's (the broker's confirmation may then arrive on the
+    link's thread before publish() returns): every message arrives and in_flight() falls to 0."""
+    with Mosquitto() as b:
+        inbox = Inbox()
+        addr = BrokerAddress.parse(b.url)
+        rx = MqttLink(addr, "rx", inbox, subscriptions=["t/rx"]).start()
+        tx = MqttLink(addr, "tx", Inbox(), subscriptions=[]).start()
+        try:
+            assert rx.connected.wait(10) and tx.connected.wait(10)
+            subscribed(tx, inbox, "t/rx")
+            sent = [i.to_bytes(2, "big") for i in range(300)]
+            for p in sent:
+                tx.publish("t/rx", p)
+            assert wait_for(lambda: len(inbox.got) == len(sent)), len(inbox.got)
+            assert sorted(p for _t, p in inbox.got) == sent
+            assert wait_for(lambda: tx.in_flight() == 0), tx.in_flight()
+        finally:
+            rx.stop()
+            tx.stop()
+
+
 def test_a_link_killed_without_disconnect_leaves_its_last_will(client):
     """kill() (the tests' 'device dies') drops the connection without DISCONNECT: the broker publishes the will."""
     with Mosquitto() as b:

@@ -148,7 +148,10 @@ class Client:
         # QoS 1 publishes the broker has not confirmed: mid -> (info, topic, payload, qos, retain), the payload
         # kept so that a move to a new client id (reinitialise) can queue them again, as paho keeps its own
         self._pending: dict[int, tuple] = {}
-        self._early: set[int] = set()  # confirmed before publish() returned (a publish from another thread)
+        # a publish from another thread can be confirmed on the link's thread before publish() returns (the GIL is
+        # free during the C call): mids confirmed while a call was under way, kept until the calls end
+        self._early: set[int] = set()
+        self._calls = 0  # publish() calls under way
         self._lock = threading.Lock()
         self._settings: list[tuple[str, tuple]] = []  # the set-up calls, replayed by reinitialise
         # kept referenced: libmosquitto holds these C function pointers
@@ -160,7 +163,6 @@ class Client:
         self._sockpairR, self._sockpairW = socket.socketpair()
         self._sockpairR.setblocking(False)
         self._sockpairW.setblocking(False)
-        self._mid = ctypes.c_int(0)
 
     def _new(self, client_id: str, clean_session: bool) -> None:
         lib = self._lib
@@ -204,23 +206,24 @@ class Client:
     # An exception cannot cross back into C: it is logged here and the loop goes on (the message is acknowledged,
     # so it is not redelivered into the same failure; paho would end the link's thread instead).
     def _c_connect(self, _m, _obj, rc: int) -> None:
-        try:
-            if self.on_connect is not None:
-                self.on_connect(self, None, None, ReasonCode(rc), None)
-        except Exception:  # noqa: BLE001
-            log.exception("on_connect failed")
+        self._status("on_connect", rc)
 
     def _c_disconnect(self, _m, _obj, rc: int) -> None:
+        self._status("on_disconnect", rc)
+
+    def _status(self, name: str, rc: int) -> None:
+        """paho's on_connect/on_disconnect, with its arguments (client, userdata, flags, reason code, properties)."""
         try:
-            if self.on_disconnect is not None:
-                self.on_disconnect(self, None, None, ReasonCode(rc), None)
+            cb = getattr(self, name)
+            if cb is not None:
+                cb(self, None, None, ReasonCode(rc), None)
         except Exception:  # noqa: BLE001
-            log.exception("on_disconnect failed")
+            log.exception("%s failed", name)
 
     def _c_publish(self, _m, _obj, mid: int) -> None:
         with self._lock:
             hit = self._pending.pop(mid, None)
-            if hit is None:
+            if hit is None and self._calls:
                 self._early.add(mid)
         if hit is not None:
             hit[0]._done = True
@@ -265,17 +268,23 @@ class Client:
         reconnections until the broker confirms it, also when published while disconnected."""
         if type(payload) is not bytes:  # bytearray, memoryview: what paho takes too
             payload = bytes(payload)
-        rc = self._lib.mosquitto_publish(self._m, ctypes.byref(self._mid), topic.encode(), len(payload), payload,
-                                         qos, retain)
-        info = PublishInfo(self._mid.value, qos == 0 and rc == MOSQ_ERR_SUCCESS)
-        if qos and rc in (MOSQ_ERR_SUCCESS, MOSQ_ERR_NO_CONN, MOSQ_ERR_CONN_LOST):
-            with self._lock:  # the network thread may have had its PUBACK already (the GIL is free in the call)
-                if info.mid in self._early:
-                    self._early.discard(info.mid)
-                    info._done = True
-                else:
+        mid, rc = ctypes.c_int(0), -1
+        with self._lock:
+            self._calls += 1
+        try:
+            rc = self._lib.mosquitto_publish(self._m, ctypes.byref(mid), topic.encode(), len(payload), payload, qos,
+                                             retain)
+        finally:
+            with self._lock:
+                self._calls -= 1
+                early = mid.value in self._early
+                self._early.discard(mid.value)
+                info = PublishInfo(mid.value, (qos == 0 and rc == MOSQ_ERR_SUCCESS) or (qos > 0 and early))
+                if qos and not early and rc in (MOSQ_ERR_SUCCESS, MOSQ_ERR_NO_CONN, MOSQ_ERR_CONN_LOST):
                     self._pending[info.mid] = (info, topic, payload, qos, retain)
-        elif rc != MOSQ_ERR_SUCCESS:
+                if not self._calls:
+                    self._early.clear()  # confirmations of QoS 0 publishes, which nothing waits for
+        if rc not in (MOSQ_ERR_SUCCESS, MOSQ_ERR_NO_CONN, MOSQ_ERR_CONN_LOST):
             log.debug("publish to %s failed: %s", topic, self._err(rc))
         return info
 
