@@ -157,8 +157,8 @@ class Evaluator:
             return [self(spec, w) for spec, w in models]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedge-evaluate")
-        jobs = [(m, lo, hi) for m in models for lo, hi in self.shards]
-        parts = list(self._pool.map(lambda j: self._shard(*j[0], j[1], j[2], slot=threading.get_ident()), jobs))
+        jobs = [(torch_program(spec), w, lo, hi) for spec, w in models for lo, hi in self.shards]
+        parts = list(self._pool.map(lambda j: self._shard(*j, slot=threading.get_ident()), jobs))
         k = len(self.shards)
         return [self._total(parts[i * k:(i + 1) * k]) for i in range(len(models))]
 
@@ -173,13 +173,13 @@ class Evaluator:
         if is_module(spec):  # a person's module: eval mode (BatchNorm running statistics, no dropout)
             from edge.trainers.torch_objectives.usermodel import evaluate
             return evaluate(spec, weights, self.x, self.y)
-        return self._total([self._shard(spec, weights, lo, hi, slot=slot) for lo, hi in self.shards])
-
-    def _shard(self, spec: dict, weights: dict[str, np.ndarray], lo: int, hi: int, *,
-               slot: int) -> tuple[float, int, int]:
-        """(the loss summed over rows lo:hi, their hits, their count)."""
-        from edge.trainers import make_trainer
         prog = torch_program(spec)
+        return self._total([self._shard(prog, weights, lo, hi, slot=slot) for lo, hi in self.shards])
+
+    def _shard(self, prog: Program, weights: dict[str, np.ndarray], lo: int, hi: int, *,
+               slot: int) -> tuple[float, int, int]:
+        """(the loss summed over rows lo:hi of ``prog``'s network with ``weights``, their hits, their count)."""
+        from edge.trainers import make_trainer
         key = (prog.hash, slot)
         t = self._trainers.get(key)
         if t is None:

@@ -307,11 +307,7 @@ class Client:
                 self._sockpairR.recv(10000)
             except BlockingIOError:
                 pass
-        rc = MOSQ_ERR_SUCCESS
-        if fd in rd:
-            rc = self._lib.mosquitto_loop_read(self._m, 1)
-        if rc == MOSQ_ERR_SUCCESS and (wr or self._lib.mosquitto_want_write(self._m)):
-            rc = self._lib.mosquitto_loop_write(self._m, 1)
+        rc = self._io(fd in rd, bool(wr))
         if rc == MOSQ_ERR_SUCCESS:
             rc = self._lib.mosquitto_loop_misc(self._m)
         return rc
@@ -320,8 +316,12 @@ class Client:
         """Read what is waiting (MqttLink's drain): without data this returns at once."""
         if self._lib.mosquitto_socket(self._m) < 0:
             return MOSQ_ERR_NO_CONN
-        rc = self._lib.mosquitto_loop_read(self._m, 1)
-        if rc == MOSQ_ERR_SUCCESS and self._lib.mosquitto_want_write(self._m):
+        return self._io(True, False)
+
+    def _io(self, read: bool, writable: bool) -> int:
+        """Read if asked, then write what is queued (a handler's publishes during the read included)."""
+        rc = self._lib.mosquitto_loop_read(self._m, 1) if read else MOSQ_ERR_SUCCESS
+        if rc == MOSQ_ERR_SUCCESS and (writable or self._lib.mosquitto_want_write(self._m)):
             rc = self._lib.mosquitto_loop_write(self._m, 1)
         return rc
 
