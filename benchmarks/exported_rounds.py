@@ -6,13 +6,16 @@ run over MQTT twice each with the same seed: on a fleet of ONNX Runtime and Exec
 and on torch devices. Each ORT/ExecuTorch run starts from an empty program cache (cold: every export is in its
 wall time) with the daemon's background catalog: the coordinator asks for the first round's bucket and the
 bucket family as soon as it starts (``Coordinator.prefetch``), and for the family of every later bucket when a
-round needs one (coordinator/buckets.py, the round machine); a round opens only with programs that exist.
+round needs one (coordinator/buckets.py, the round machine); a round opens only with programs that exist, and
+does not wait while enough devices have theirs (a larger built bucket for a padding device; the devices whose
+programs are exporting passed over).
 
 Recorded per run: ``wall_s`` (coordinator start to the last commit), ``exports`` (programs exported, per
 runtime, counted in the run's own program store; an export under way at the end is finished and counted,
 those not started are dropped), ``rounds_abandoned`` (attempts abandoned), ``late_plans``
 (plan messages published after their round's deadline), the rounds' summed ``export_s`` (time a round waited
-for an export before opening), the program shapes each run exported, and, for FedSparse, the hidden widths per
+for an export before opening), ``passed_over`` (selected devices a round left out because their programs were
+still exporting: coordinator/rounds.py, production mode), the program shapes each run exported, and, for FedSparse, the hidden widths per
 round. Then, measured on the ExecuTorch programs the run exported: ``loss_and_grads`` time per bucket (batch 20,
 one thread), the compute that shrinks with the subnetwork.
 
@@ -127,6 +130,7 @@ def one_run(strategy: str, fleet: str, rounds: int, workdir: Path, seed: int, ep
             "exports": counts, "rounds_abandoned": watch.abandoned, "late_plans": watch.late_plans,
             "plans": watch.plans, "rounds": len(rows), "prefetched": asked,
             "export_s": round(sum(r.get("export_s", 0.0) for r in rows), 2),
+            "passed_over": sum(r.get("passed_over", 0) for r in rows),
             "round_wall_s": round(sum(r.get("wall_s", 0.0) for r in rows), 1),
             "final_accuracy": rows[-1]["accuracy"] if rows else None,
             "final_widths": widths or None, "programs": progs, "_cache": str(cache)}

@@ -9,7 +9,7 @@ at most three programs per (model, runtime, objective) in a run, however the mod
 network fits a smaller bucket computes on the smaller shape.
 
 :func:`fedsparse` and :func:`mixture` return the :class:`Padded` a strategy attaches to its plan (DevicePlan.
-``padded``): the bucket's (spec, layout), and every other bucket of the family, smallest last, which the round
+``padded``): the bucket's (spec, layout), and every bucket of the family, largest first, which the round
 machine asks the program catalog to build ahead of time, in the background, so that the rounds that prune into
 a smaller bucket find its program built.
 """
@@ -25,7 +25,9 @@ FRACTIONS = (4, 2, 1)  # widths full/4, full/2, full: the smallest that holds a 
 @dataclass(frozen=True)
 class Padded:
     """The program a padding device runs for a plan: (``spec``, ``layout``) of its bucket, and ``family``, the
-    (spec, layout) of every bucket of the model (the bucket included), to be built ahead of time."""
+    (spec, layout) of every bucket of the model (the bucket included), largest first, to be built ahead of time
+    (a bucket before the plan's in ``family`` holds the plan too: the round machine falls back on it while the
+    plan's own is exporting)."""
 
     spec: dict[str, Any]
     layout: dict[str, Any]

@@ -52,6 +52,7 @@ def round_line(s: dict, target: int, total_bytes: int) -> str:
             f"{s['bytes_down'] / 1e6:.3f} MB down + {s['bytes_up'] / 1e6:.3f} MB up "
             f"({total_bytes / 1e6:.2f} MB in all), {s['wall_s']:.2f} s"
             + (f" (+{s['export_s']:.2f} s waiting for program exports)" if s.get("export_s") else "")
+            + (f", {s['passed_over']} passed over while their programs exported" if s.get("passed_over") else "")
             + (f", {attempts} attempts" if attempts > 1 else ""))
 
 

@@ -50,8 +50,9 @@ class ProgramCatalog:
 
     ``background=True`` (the daemon): an ONNX Runtime or ExecuTorch export (seconds; ExecuTorch 10-45 s) runs
     in a separate process, never on the network thread. The round machine asks :meth:`ready` before it
-    opens a round, :meth:`request`s what is missing, and opens once it is built; meanwhile acks, check-ins
-    and heartbeats flow. Without it (tests, benchmarks) a program is built when first asked for.
+    opens a round and :meth:`request`s what is missing; it opens with the devices whose programs are built, or
+    once they are (coordinator/rounds.py: ``_with_built_programs``); meanwhile acks, check-ins and heartbeats
+    flow. Without it (tests, benchmarks) a program is built when first asked for.
     """
 
     def __init__(self, cache_dir: str | Path | None = None, *, background: bool = False,

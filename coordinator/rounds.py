@@ -104,6 +104,10 @@ log = logging.getLogger("fedge.coordinator")
 
 CHECKIN_MAX_BYTES = 256 * 1024  # a check-in or status is a few hundred bytes; nothing from a device is unbounded
 REPORT_OVERHEAD_BYTES = 64 * 1024  # metrics, names and msgpack framing on top of the arrays a plan allows
+# Production mode, while some programs a round needs are exporting: the most other eligible devices planned to
+# top the round up with devices whose programs are built, and how often a waiting round looks again
+REPLACEMENTS_PLANNED = 64
+RECHECK_S = 0.5
 ADMISSION_KEY = "_admission"  # the machine's own entry in ServerState.meta (norm history, last accuracy)
 
 NO_ROUND, ROUND_OPEN, FINISHED = "no round", "round open", "finished"
@@ -283,6 +287,7 @@ class OpenRound:
     kept: dict[str, tuple] | None = field(default_factory=dict)
     kept_bytes: int = 0
     first_loss: float | None = None  # round 1's screen: the initial model's test loss, if it measured it
+    passed_over: int = 0  # selected devices left out because their programs were still exporting (production)
 
 
 def task_id(run_id: str, round_: int, attempt: int) -> str:
@@ -337,6 +342,7 @@ class RoundMachine:
         self._recent_limits: list[dict[str, int]] = []
         self._awaiting: list[tuple] = []  # (spec, runtime, objective, layout) of programs a round waits for
         self._exporting_since: float | None = None  # when the next round began waiting for its programs
+        self._recheck_at = 0.0  # production: when a round waiting for its programs looks again for built ones
         self._export_s = 0.0  # seconds the round in progress (its attempts so far) waited for program exports
         self._window: Reservoir | None = None  # production selection: the sample of eligible devices so far
         self._round_s = cfg.round_timeout_s / 2  # estimated open-to-close time of a round (pace steering)
@@ -843,7 +849,7 @@ class RoundMachine:
             for d, dp in plans.items():
                 args = self._program_args(dp, d)
                 want[repr(args)] = args
-                if dp.padded is not None and args[3] is dp.padded.layout:  # a bucket: its family, built ahead
+                if self._pads(dp, d):  # a bucket: its family, built ahead (the plan's own bucket among them)
                     for spec, layout in dp.padded.family:
                         a = (spec, args[1], dp.objective, layout)
                         if repr(a) not in want:
@@ -859,29 +865,58 @@ class RoundMachine:
             self._awaiting = []
         return bool(missing)
 
+    def _built(self, dp: DevicePlan, device_id: str) -> bool:
+        """Whether the program ``device_id`` runs for ``dp`` can be taken now."""
+        ready = getattr(self.programs, "ready", None)
+        return ready is None or ready(*self._program_args(dp, device_id))
+
+    def _pads(self, dp: DevicePlan, device_id: str) -> bool:
+        """Whether ``device_id`` runs ``dp`` on a bucket's program: the plan has one, the device's runtime exports
+        programs and it declares the padded_programs extension (docs/protocol.md 14.2)."""
+        caps = self.registry.devices[device_id].capabilities if device_id in self.registry.devices else {}
+        return dp.padded is not None and caps.get("runtime", "torch") != "torch" and caps.get("padded_programs") is True
+
     def _program_args(self, dp: DevicePlan, device_id: str) -> tuple:
         """(spec, runtime, objective, layout) of the program ``device_id`` runs for ``dp``: its bucket's
-        (coordinator/buckets.py) if the plan has one, the device's runtime exports programs and it declares the
-        padded_programs extension (docs/protocol.md 14.2); else the plan's own shape."""
-        caps = self.registry.devices[device_id].capabilities if device_id in self.registry.devices else {}
-        runtime = caps.get("runtime", "torch")
+        (coordinator/buckets.py) if it pads (:meth:`_pads`), else the plan's own shape. In production mode, while
+        the bucket's program is still exporting, the smallest larger bucket of its family that is built: the
+        device pads into any bucket that holds its plan, so a round does not wait for the exact one."""
+        runtime = (self.registry.devices[device_id].capabilities.get("runtime", "torch")
+                   if device_id in self.registry.devices else "torch")
+        if not self._pads(dp, device_id):
+            return (dp.spec, runtime, dp.objective, dp.layout)
         p = dp.padded
-        if p is not None and runtime != "torch" and caps.get("padded_programs") is True:
-            return (p.spec, runtime, dp.objective, p.layout)
-        return (dp.spec, runtime, dp.objective, dp.layout)
+        own = (p.spec, runtime, dp.objective, p.layout)
+        ready = getattr(self.programs, "ready", None)
+        if self.cfg.reproducible or ready is None or ready(*own):
+            return own
+        family = [(s, lay) for s, lay in p.family]  # largest first: those before the plan's bucket hold it too
+        i = family.index((p.spec, p.layout)) if (p.spec, p.layout) in family else 0
+        for spec, layout in reversed(family[:i]):
+            if ready(spec, runtime, dp.objective, layout):
+                return (spec, runtime, dp.objective, layout)
+        return own
 
     def _open_round(self, eligible: list[str], now: float, offered: int | None = None) -> list[Action]:
-        if self._awaiting and self._programs_missing(None):
-            return []  # the round opens once its programs are built (plans and selection are the same then)
+        if self._awaiting and (self.cfg.reproducible or now < self._recheck_at) and self._programs_missing(None):
+            # reproducible: the round opens once its programs are built (plans and selection are the same then);
+            # production: it looks again at most every RECHECK_S, for devices whose programs are built
+            return []
         rnd = self.state.round + 1
         k = n_to_select(self.cfg.clients_per_round, self.cfg.over_selection, len(eligible))
         chosen = select_ordered(eligible, k, self.cfg.seed, rnd, self.attempt)
         task = task_id(self.cfg.run_id, rnd, self.attempt)
         plans = self._plans(chosen)
-        if self._programs_missing(plans):
-            log.info("round %d waits for %d program export(s)", rnd, len(self._awaiting))
+        passed: list[str] = []
+        if self._programs_missing(plans) and not self.cfg.reproducible:
+            chosen, plans, passed = self._with_built_programs(chosen, plans, k, rnd, now)
+            if len(chosen) >= self.cfg.min_needed:
+                self._awaiting = []  # still asked for, and built in the background; this round does without them
+        if self._awaiting:
             if self._exporting_since is None:
+                log.info("round %d waits for %d program export(s)", rnd, len(self._awaiting))
                 self._exporting_since = now
+            self._recheck_at = now + RECHECK_S
             return []
         if self._exporting_since is not None:  # export seconds are kept apart from the round's (its summary's export_s)
             self._export_s += now - self._exporting_since
@@ -889,6 +924,7 @@ class RoundMachine:
         o = OpenRound(rnd, self.attempt, task, chosen, now + self.cfg.round_timeout_s, now, plans,
                       self.strategy.begin(self.state))
         o.n_cap = weight_cap(self.cfg.admission, [self._samples(d) for d in chosen])
+        o.passed_over = len(passed)
         self.open = o
         out: list[Action] = [Persist("open", {"round": rnd, "attempt": self.attempt, "task_id": task,
                                               "selected": chosen, "deadline": o.deadline, "opened_at": now})]
@@ -902,10 +938,37 @@ class RoundMachine:
             # it checks in when its plan ends: at the latest when it gives up resending (edge/protocol/agent.py,
             # report_grace_s = 30 s past the deadline)
             rec.expect = max(rec.expect, o.deadline + 30.0)
-        log.info("round %d attempt %d: %d devices selected from %d eligible", rnd, self.attempt, len(chosen),
-                 offered if offered is not None else len(eligible))
+        log.info("round %d attempt %d: %d devices selected from %d eligible%s", rnd, self.attempt, len(chosen),
+                 offered if offered is not None else len(eligible),
+                 f" ({len(passed)} passed over: their programs are exporting)" if passed else "")
         self._window = None
         return out + self._next_plans(self.cfg.plan_window)
+
+    def _with_built_programs(self, chosen: list[str], plans: dict[str, DevicePlan], k: int, rnd: int,
+                             now: float) -> tuple[list[str], dict[str, DevicePlan], list[str]]:
+        """Production mode, some selected devices' programs still exporting: the selected devices whose programs
+        are built, topped up towards ``k`` from the other eligible devices whose programs are (drawn in the seeded
+        order; at most ``REPLACEMENTS_PLANNED`` of them planned, so a fleet whose programs are all exporting costs a
+        bounded pass). Returns (devices, their plans, the selected devices passed over). No round waits for an
+        export while enough devices can train without it (issue #26); the exports go on in the background, and
+        the devices passed over stay eligible for the next rounds."""
+        keep = [d for d in chosen if self._built(plans[d], d)]
+        passed = [d for d in chosen if d not in keep]
+        out = {d: plans[d] for d in keep}
+        if len(keep) < k:
+            taken = set(chosen)
+            rest = [d for d in self.registry.eligible(self.cfg.eligibility, now)
+                    if d not in taken and self._eligible_now(d, now)]
+            rest = select_ordered(rest, REPLACEMENTS_PLANNED, self.cfg.seed, rnd, self.attempt)
+            more = self._plans(rest)
+            for d in rest:
+                if len(keep) >= k:
+                    break
+                if self._built(more[d], d):
+                    keep.append(d)
+                    out[d] = more[d]
+            share_memo(out.values())
+        return keep, out, passed
 
     def next_plans(self, max_messages: int = 0) -> list[Action]:
         """Publishes of the open round's plans not sent yet, about ``max_messages`` of them (whole plans; 0: all).
@@ -1273,7 +1336,8 @@ class RoundMachine:
         summary = {"round": o.round, "task_id": o.task_id, "attempts": o.attempt, "reports": len(used),
                    "selected": len(o.selected), "dropped": len(o.selected) - len(used), "accepted": sorted(used),
                    "bytes_down": o.bytes_down + self.carry_bytes[0], "bytes_up": up + self.carry_bytes[1],
-                   "wall_s": now - o.opened_at} | ({"excluded": sorted(excluded)} if excluded else {}) | metrics
+                   "wall_s": now - o.opened_at} | ({"excluded": sorted(excluded)} if excluded else {}) \
+            | ({"passed_over": o.passed_over} if o.passed_over else {}) | metrics
         strategy_metrics = getattr(self.strategy, "metrics", None)
         if strategy_metrics is not None:
             summary |= strategy_metrics(self.state)

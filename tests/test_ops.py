@@ -359,6 +359,8 @@ def test_the_round_line():
                                             "0.413 MB up (2.80 MB in all), 1.23 s")
     assert round_line(s | {"attempts": 2, "accuracy": None}, 30, 0).endswith(", 2 attempts")
     assert "accuracy -," in round_line(s | {"accuracy": None}, 30, 0)
+    assert round_line(s | {"export_s": 2.5, "passed_over": 3}, 30, 0).endswith(
+        "1.23 s (+2.50 s waiting for program exports), 3 passed over while their programs exported")
 
 
 def test_a_busy_metrics_port_is_one_line(tmp_path, capsys):

@@ -218,6 +218,50 @@ def test_round_machine_serves_buckets_only_to_devices_that_pad():
     assert sorted(cat.requested[2:]) == [((64, 10, 10, 10), "ort"), ((64, 40, 40, 10), "ort")]
 
 
+
+@pytest.mark.parametrize("built, reproducible, want", [
+    ({(64, 40, 40, 10)}, False, (64, 40, 40, 10)),  # its bucket exporting: the full one, built, holds it
+    ({(64, 40, 40, 10), (64, 20, 20, 10)}, False, (64, 20, 20, 10)),  # its own, once built
+    ({(64, 10, 10, 10)}, False, None),  # only a smaller one built: it waits for its own
+    ({(64, 40, 40, 10)}, True, None),  # reproducible mode runs its own bucket only: no export timing in the run
+])
+def test_a_padding_device_runs_a_larger_built_bucket_while_its_own_exports(built, reproducible, want):
+    """Production mode: a padding device whose bucket program is still exporting is served the smallest larger
+    bucket of the family that is built (it pads into any bucket that holds its plan), so its round does not wait;
+    its own bucket is still asked for, and serves it once built."""
+    from coordinator.rounds import RoundConfig, RoundMachine
+    from coordinator.strategies.fedsparse import FedSparse
+    from coordinator.registry import Eligibility
+    from edge.protocol import wire
+
+    s = FedSparse(spec=mlp([64, 40, 40, 10]), preset="mid")
+    st = s.init(0)
+    st.opt["alive/fc0"][15:] = 0  # 15 and 9 of 40 units: the 1/2 bucket (20, 20)
+    st.opt["alive/fc1"][9:] = 0
+
+    class Catalog:
+        def __init__(self):
+            self.requested = []
+
+        def ready(self, spec, runtime, objective, layout):
+            return tuple(spec["sizes"]) in built
+
+        def request(self, spec, runtime, objective, layout):
+            self.requested.append(tuple(spec["sizes"]))
+
+    cat = Catalog()
+    m = RoundMachine(RoundConfig(rounds=1, clients_per_round=1, over_selection=1.0, reproducible=reproducible,
+                                 eligibility=Eligibility(runtimes=("ort",))), s, st, cat)
+    caps = {"runtime": "ort", "padded_programs": True, "charging": True, "network": "wifi", "idle": True,
+            "memory_mb": 4096}
+    m.receive(wire.topic(m.cfg.fleet, "checkin", "pad"), wire.encode(wire.CheckIn("pad", caps, [], 100)), 0.0)
+    plans = m._plans(["pad"])
+    args = m._program_args(plans["pad"], "pad")
+    assert tuple(args[0]["sizes"]) == (want or (64, 20, 20, 10)) and args[1:3] == ("ort", "fedsparse")
+    assert m._programs_missing(plans) == (want is None)
+    assert (64, 20, 20, 10) in cat.requested or (64, 20, 20, 10) in built
+
+
 # ---------------------------------------------------------------- a whole plan, through the driver
 
 def _plan(dp, device: str = "dev", seed: int = 5):
@@ -226,10 +270,11 @@ def _plan(dp, device: str = "dev", seed: int = 5):
                 dp.upload)
 
 
-@pytest.mark.parametrize("runtime", ["torch", "ort"])
-def test_pruned_fedsparse_plan_gives_the_same_report_on_its_bucket(runtime, tmp_path):
+@pytest.mark.parametrize("runtime, bucket", [("torch", "own"), ("ort", "own"), ("ort", "full")])
+def test_pruned_fedsparse_plan_gives_the_same_report_on_its_bucket(runtime, bucket, tmp_path):
     """A FedSparse plan of a pruned network (15 and 9 of 40 units), run by run_plan on the exact program and on
-    its bucket's (20 and 20, padded): the same masks, weights and metrics."""
+    its bucket's (20 and 20, padded), or on the full bucket (40 and 40: what a device runs while its own is
+    exporting): the same masks, weights and metrics."""
     import dataclasses
     from coordinator.strategies.fedsparse import FedSparse
     from edge.algorithms.driver import run_plan
@@ -243,7 +288,9 @@ def test_pruned_fedsparse_plan_gives_the_same_report_on_its_bucket(runtime, tmp_
     x, y = rng.normal(size=(60, 64)).astype(np.float32), rng.integers(0, 10, 60)
     plan = dataclasses.replace(_plan(dp), strategy="fedsparse")
     ref = run_plan(plan, trainer("torch", dp.spec, "fedsparse", dp.layout), x, y)
-    got = run_plan(plan, trainer(runtime, dp.padded.spec, "fedsparse", dp.padded.layout), x, y)
+    spec = dp.padded.spec if bucket == "own" else dp.padded.family[0][0]
+    assert bucket == "own" or spec["sizes"] == [64, 40, 40, 10]
+    got = run_plan(plan, trainer(runtime, spec, "fedsparse", dp.padded.layout), x, y)
     assert ref.metrics["steps"] == got.metrics["steps"] == 3
     assert got.metrics["train_loss"] == pytest.approx(ref.metrics["train_loss"], rel=1e-5)
     assert set(got.tensors) == set(ref.tensors)

@@ -17,14 +17,16 @@ from coordinator.selection import device_seed, select
 from coordinator.store import Store
 from coordinator.strategies.base import DevicePlan, ServerState
 from coordinator.strategies.fedavg import FedAvg
+from edge.protocol import agent as A
 from edge.protocol import wire
 from edge.protocol.machine import markdown
 from edge.algorithms.driver import run_plan
 from edge.trainers import make_trainer
-from edge.runtime.program import torch_program
+from edge.runtime.program import ProgramCache, torch_program
+from edge.runtime.state import LocalState
 from edge.protocol.wire import Report, TensorUpdate
 
-from conftest import SPEC, make_bus, reference_sgd
+from conftest import SPEC, make_bus, reference_sgd, shard
 
 DESIGN = (Path(__file__).parents[1] / "docs" / "design.md").read_text()
 MACHINE_LABELS = {"checkin": "`receive` checkin", "report": "`receive` report", "status": "`receive` status"}
@@ -616,6 +618,114 @@ def test_a_round_waits_for_its_programs_and_then_opens_with_the_same_selection(t
     cat.done = True
     bus.tick(0.1)
     assert bus.m.phase == R.ROUND_OPEN and bus.m.open.selected == want
+
+
+
+class ExportingFor(Exporting):
+    """A catalog whose programs for ``runtime`` are still exporting; every other runtime's are built (the torch
+    program serves them all on the bus, whose devices train on torch)."""
+
+    def __init__(self, inner, runtime: str):
+        super().__init__(inner)
+        self.runtime = runtime
+
+    def __call__(self, spec, runtime, objective="ce", layout=None):
+        assert self.ready(spec, runtime), "a plan went out before its program was built"
+        return self.inner(spec, "torch", objective, layout)
+
+    def ready(self, spec, runtime, *a) -> bool:
+        return self.done or runtime != self.runtime
+
+
+def _train_held(bus) -> None:
+    """The held devices train and report now (their plans arrived while held), and the bus runs on."""
+    held, bus.hold_training = bus.hold_training, set()
+    for d in sorted(held):
+        if bus.agents[d].task is not None:
+            bus._device_actions(d, bus.agents[d].training_done(_valid_report(bus, d), bus.now))
+    bus.pump()
+
+
+def _exporting_bus(tmp_path, n, ort: int, *, per_round=4, reproducible=False):
+    bus = make_bus(tmp_path, n, rounds=3, per_round=per_round, caps={f"d{i}": {"runtime": "ort"} for i in range(ort)})
+    bus.m.cfg = dataclasses.replace(bus.m.cfg, reproducible=reproducible, expected_devices=n if reproducible else 0)
+    cat = bus.m.programs = ExportingFor(bus.m.programs, "ort")
+    return bus, cat
+
+
+def test_a_round_opens_with_the_devices_whose_programs_are_built(tmp_path):
+    """Production mode: the selected devices whose program is still exporting are passed over, and the round is
+    topped up with other eligible devices whose programs are built, so no round waits for an export while enough
+    devices can train without it (issue #26: a cold ExecuTorch export held the first round 20-25 s). The export
+    goes on; the devices passed over stay eligible and are selected once it is built."""
+    ref, _ = _exporting_bus(tmp_path / "ref", 10, 4)
+    ref.m.programs.done = True
+    ref.hold_training = set(ref.agents)
+    ref.connect_all()
+    ref.tick(0.1)
+    drawn = list(ref.m.open.selected)  # what round 1 draws with every program built
+    ort = [d for d in drawn if int(d[1:]) < 4]
+    assert ort, "the draw should hold an ORT device for this test to mean anything"
+    bus, cat = _exporting_bus(tmp_path / "run", 10, 4)
+    bus.hold_training = set(bus.agents)
+    bus.connect_all()
+    bus.tick(0.1)
+    o = bus.m.open
+    assert o is not None and len(o.selected) == 4 and all(int(d[1:]) >= 4 for d in o.selected)
+    assert set(drawn) - set(ort) <= set(o.selected)  # the draw's built devices kept, topped up from the rest
+    assert {a[1] for a in cat.requested} == {"ort"}  # the export was asked for, and goes on
+    assert all(bus.m.registry.devices[d].available for d in ort)  # passed over, not made busy
+    cat.done = True  # built: the next rounds draw the ORT devices again
+    _train_held(bus)
+    first = bus.committed[0]
+    assert first["passed_over"] == len(ort) and first["export_s"] == 0.0 and first["reports"] == 4
+    while not bus.m.finished:
+        bus.tick(0.1)
+    assert "passed_over" not in bus.committed[-1]
+    picked = {d for p in bus.persisted if p.what == "open" and p.data["round"] > 1 for d in p.data["selected"]}
+    assert any(int(d[1:]) < 4 for d in picked)
+
+
+def test_a_round_with_too_few_built_devices_waits_and_looks_again(tmp_path):
+    """Fewer devices with built programs than the round needs (min_needed 4 of 4): it waits, counting the wait as
+    export seconds, and opens without the export as soon as enough built devices are eligible (it looks again
+    every RECHECK_S); reproducible mode waits for the export with its seeded selection."""
+    bus, cat = _exporting_bus(tmp_path / "p", 6, 3)  # 3 torch devices: one short
+    bus.hold_training = set(bus.agents)
+    bus.connect_all()
+    bus.tick(0.1)
+    assert bus.m.open is None and cat.requested
+    bus.tick(R.RECHECK_S + 0.1)
+    assert bus.m.open is None  # still no 4th built device
+    late = "late0"
+    bus.agents[late] = A.DeviceAgent(A.AgentConfig(late, capabilities={"runtime": "torch", "charging": True,
+                                     "network": "wifi", "idle": True, "memory_mb": 1024}), n_samples=30)
+    bus.data[late] = shard(9)
+    bus.caches[late] = ProgramCache(tmp_path / late)
+    bus.local[late] = LocalState(tmp_path / late / "local")
+    bus._device_actions(late, bus.agents[late].connected(bus.now))
+    bus.pump()
+    bus.tick(R.RECHECK_S)
+    o = bus.m.open
+    assert o is not None and sorted(o.selected) == ["d3", "d4", "d5", late] and not cat.done
+    waited = bus.now - (1000.0 + 0.1)
+    _train_held(bus)
+    assert bus.committed[0]["export_s"] == pytest.approx(waited)
+    # reproducible: the seeded selection, opened once the export is built
+    rep, rcat = _exporting_bus(tmp_path / "r", 6, 3, reproducible=True)
+    rep.connect_all()
+    for _ in range(3):
+        rep.tick(R.RECHECK_S + 0.1)
+        assert rep.m.open is None
+    rcat.done = True
+    rep.tick(0.1)
+    ref, _ = _exporting_bus(tmp_path / "rref", 6, 3, reproducible=True)
+    ref.m.programs.done = True
+    ref.hold_training = set(ref.agents)
+    ref.connect_all()
+    ref.tick(0.1)
+    assert rep.committed and rep.persisted[[p.what for p in rep.persisted].index("open")].data["selected"] == \
+        ref.m.open.selected
 
 
 # ---- production selection and pace steering
