@@ -112,7 +112,7 @@ class Mosquitto(_Child):
                 f"allow_anonymous false\npassword_file {auth['passwd']}\nacl_file {auth['acl']}\n") if auth
                else "allow_anonymous true\n") +
             f"message_size_limit {max_packet_mb * 1024 * 1024}\nmax_queued_messages {max_queued}\n"
-            f"max_inflight_messages 1000\nlog_dest stderr\nlog_type error\nlog_type warning\n"
+            f"max_inflight_messages 1000\nset_tcp_nodelay true\nlog_dest stderr\nlog_type error\nlog_type warning\n"
         )
         self.tls = bool(tls)
         self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

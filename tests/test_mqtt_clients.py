@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +101,28 @@ def test_messages_arrive_whole_and_in_order_and_the_broker_confirms_them(client)
         finally:
             rx.stop()
             tx.stop()
+
+
+
+def test_links_and_the_private_broker_switch_nagles_algorithm_off(client):
+    """Every link's socket has TCP_NODELAY, and so has the Mosquitto fedge starts (set_tcp_nodelay): with Nagle's
+    algorithm on, an ack or a check-in written after a large report waited for the peer's delayed ACK, and a
+    device drawn in consecutive rounds got its plan about 86 ms late (docs/operations.md, "Nagle's algorithm")."""
+    import socket
+    with Mosquitto() as b:
+        assert "set_tcp_nodelay true" in (Path(b.dir) / "mosquitto.conf").read_text().splitlines()
+        link = MqttLink(BrokerAddress.parse(b.url), "nd", Inbox(), subscriptions=["t/nd"]).start()
+        try:
+            assert link.connected.wait(10) and link.backend == client
+            sock = link.client.socket()
+            fd = sock.fd if client == "libmosquitto" else sock.fileno()
+            probe = socket.socket(fileno=os.dup(fd))
+            try:
+                assert probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            finally:
+                probe.close()  # a duplicate of the link's descriptor: closing it leaves the link's open
+        finally:
+            link.stop()
 
 
 def test_publishes_from_another_thread_are_all_confirmed(client):

@@ -338,6 +338,7 @@ class Mqtt {
   }
   start() {
     const sock = net.connect(this.port, this.host);
+    sock.setNoDelay(true); // Nagle off: an ack or a check-in after a large report would wait for a delayed ACK
     this.sock = sock; let buf = Buffer.alloc(0); let up = false;
     sock.on('connect', () => {
       const flags = 0x04 | 0x08 | 0x20; // will, will QoS 1, will retained; clean session 0 (persistent)

@@ -34,7 +34,7 @@ from typing import Any, Callable
 log = logging.getLogger("fedge.mqtt")
 
 MOSQ_ERR_SUCCESS, MOSQ_ERR_NO_CONN, MOSQ_ERR_CONN_LOST = 0, 4, 7
-MOSQ_OPT_PROTOCOL_VERSION, MQTT_PROTOCOL_V311 = 1, 4
+MOSQ_OPT_PROTOCOL_VERSION, MQTT_PROTOCOL_V311, MOSQ_OPT_TCP_NODELAY = 1, 4, 11
 
 
 class _Message(ctypes.Structure):
@@ -173,6 +173,7 @@ class Client:
             lib.mosquitto_destroy(self._m)
         self._m, self._clean = m, clean_session
         lib.mosquitto_int_option(m, MOSQ_OPT_PROTOCOL_VERSION, MQTT_PROTOCOL_V311)
+        lib.mosquitto_int_option(m, MOSQ_OPT_TCP_NODELAY, 1)  # see mqtt.py: nodelay
         lib.mosquitto_connect_callback_set(m, self._cbs[0])
         lib.mosquitto_disconnect_callback_set(m, self._cbs[1])
         lib.mosquitto_publish_callback_set(m, self._cbs[2])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -84,6 +85,19 @@ class LinkHandler(Protocol):
     # were waiting, hand-backs from other threads, maybe a tick): where a handler writes a batch at once
 
 
+def nodelay(sock) -> None:
+    """Switch Nagle's algorithm off on a link's socket (libmosquitto.py does the same, MOSQ_OPT_TCP_NODELAY).
+    fedge's small messages (an ack, a check-in) follow large ones (a report, a plan) on the same connection:
+    with Nagle on, a small write waits for the peer's acknowledgement of the last segment, which the peer's
+    delayed ACK holds up to 40 ms. Measured in benchmarks/round_overhead.py: an ack took a median 40 ms to reach
+    its device and the check-in that answered it 46 ms to come back, and a device drawn again in the next round
+    waited those 86 ms for its plan; with it off, 0.3 and 1.2 ms (docs/operations.md, "Nagle's algorithm")."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # not a TCP socket (a websocket transport wraps its own)
+        pass
+
+
 class MqttLink:
     def __init__(self, broker: BrokerAddress, client_id: str, handler: LinkHandler, *, subscriptions: list[str],
                  will: tuple[str, bytes] | None = None, clean_session: bool = True, keepalive: int = 30,
@@ -126,6 +140,8 @@ class MqttLink:
             c.will_set(will[0], will[1], qos=1, retain=True)
         c.max_inflight_messages_set(max_inflight)
         c.max_queued_messages_set(0)
+        if self.backend == "paho":
+            c.on_socket_open = lambda _c, _u, sock: nodelay(sock)
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         c.on_disconnect = self._on_disconnect

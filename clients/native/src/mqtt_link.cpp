@@ -75,6 +75,8 @@ MqttLink::MqttLink(const BrokerAddress& broker, const std::string& client_id, st
   m_ = mosquitto_new(client_id.c_str(), false, this);
   if (!m_) throw std::runtime_error("mosquitto_new failed");
   mosquitto_int_option(m_, MOSQ_OPT_PROTOCOL_VERSION, MQTT_PROTOCOL_V311);
+  // Nagle off: an ack or a check-in after a large report would wait for a delayed ACK, up to 40 ms
+  mosquitto_int_option(m_, MOSQ_OPT_TCP_NODELAY, 1);
   mosquitto_will_set(m_, will_topic.c_str(), static_cast<int>(will_payload.size()), will_payload.data(), 1, true);
   if (!broker_.user.empty())
     mosquitto_username_pw_set(m_, broker_.user.c_str(), broker_.password.empty() ? nullptr : broker_.password.c_str());
