@@ -205,3 +205,45 @@ def test_a_whole_state_still_opens(tmp_path):
     st.close()
     (tmp_path / "empty.sqlite").write_bytes(b"")  # SQLite's new database: a new run
     Store(tmp_path / "empty.sqlite").close()
+
+
+def _payload_report(device: str, payload: bytes, task: str) -> tuple[str, dict]:
+    return "report", {"task_id": task, "device_id": device, "n": 10, "norm": 1.5, "payload": payload}
+
+
+def test_a_closed_tasks_report_log_is_written_over_by_the_next_and_restores_exactly(tmp_path, monkeypatch):
+    """The last closed task's report log becomes the next task's (coordinator/store.py: SPARE_LOG), written over
+    from its start: a restart reads the open round's reports exactly, not the older bytes beyond them; a log
+    larger than SPARE_LOG_MAX_BYTES is removed, and a restart removes the spare."""
+    import coordinator.store as S
+    st = Store(tmp_path / "s.sqlite")
+    _open(st, "run-r1a1")
+    st.apply_batch([_payload_report("d0", b"x" * 3000, "run-r1a1"), _payload_report("d1", b"y" * 5000, "run-r1a1")])
+    st.apply("abandon", {"round": 1, "attempt": 1, "task_id": "run-r1a1"})
+    assert sorted(p.name for p in st.reports_dir.iterdir()) == [S.SPARE_LOG]
+    inode = (st.reports_dir / S.SPARE_LOG).stat().st_ino
+    _open(st, "run-r1a2")
+    st.apply_batch([_payload_report("d0", b"p" * 10, "run-r1a2")])
+    st.apply_batch([_payload_report("d2", b"q" * 20, "run-r1a2")])
+    log = st.reports_dir / "run-r1a2.log"
+    assert sorted(p.name for p in st.reports_dir.iterdir()) == ["run-r1a2.log"]
+    assert log.stat().st_ino == inode and log.stat().st_size == 8000  # the old bytes are still there, past the rows
+    st.close()  # a crash with the round open
+    st = Store(tmp_path / "s.sqlite")
+    info, reports = st.open_round()
+    assert info["task_id"] == "run-r1a2" and reports == [b"p" * 10, b"q" * 20]
+    st.apply_batch([_payload_report("d3", b"r" * 7, "run-r1a2")])  # a restarted coordinator appends
+    st.close()
+    st = Store(tmp_path / "s.sqlite")
+    assert st.open_round()[1] == [b"p" * 10, b"q" * 20, b"r" * 7]
+    monkeypatch.setattr(S, "SPARE_LOG_MAX_BYTES", 4096)  # this log (8,007 bytes) is over it: removed
+    st.apply("abandon", {"round": 1, "attempt": 2, "task_id": "run-r1a2"})
+    assert list(st.reports_dir.iterdir()) == []
+    _open(st, "run-r1a3")
+    st.apply_batch([_payload_report("d0", b"s" * 100, "run-r1a3")])
+    st.apply("abandon", {"round": 1, "attempt": 3, "task_id": "run-r1a3"})
+    assert sorted(p.name for p in st.reports_dir.iterdir()) == [S.SPARE_LOG]
+    st.close()
+    st = Store(tmp_path / "s.sqlite")
+    assert list(st.reports_dir.iterdir()) == []  # no open round: a restart removes the spare
+    st.close()
