@@ -890,7 +890,7 @@ class RoundMachine:
         ready = getattr(self.programs, "ready", None)
         if self.cfg.reproducible or ready is None or ready(*own):
             return own
-        family = [(s, lay) for s, lay in p.family]  # largest first: those before the plan's bucket hold it too
+        family = list(p.family)  # largest first: those before the plan's bucket hold it too
         i = family.index((p.spec, p.layout)) if (p.spec, p.layout) in family else 0
         for spec, layout in reversed(family[:i]):
             if ready(spec, runtime, dp.objective, layout):
