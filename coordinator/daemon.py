@@ -41,6 +41,15 @@ def _build(spec: dict, runtime: str, objective: str, layout: dict | None, cache_
     return cached_program(spec, runtime, cache_dir, objective=objective, layout=layout)
 
 
+def _exit_on_sigterm() -> None:
+    """The exporter process ends on SIGTERM (ProgramCatalog.close) as on an exception, so that what it holds is
+    released (the semaphores multiprocessing registered, which a killed process would leave to the resource
+    tracker's warning at exit)."""
+    import signal
+    import sys
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
 class ProgramCatalog:
     """One program per (model shape, runtime, objective, layout), built once and kept (content-addressed).
 
@@ -111,7 +120,8 @@ class ProgramCatalog:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
             # spawn: a fork of a process with a running paho thread could inherit a held lock
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_exit_on_sigterm)
         log.info("exporting a %s program in the background (objective %s)", runtime, objective)
         fut = self._pool.submit(_build, spec, runtime, objective, layout, self.cache_dir)
         if self.on_ready is not None:
@@ -119,10 +129,20 @@ class ProgramCatalog:
         self._building[key] = fut
 
     def close(self, wait: bool = False) -> None:
-        """Stop the background exports: those not started are dropped; with ``wait``, the one under way is
-        finished (and stored) first."""
+        """Stop the background exports: those not started are dropped; the one under way is finished (and stored)
+        first with ``wait``, else dropped with its process, so that a run that ends while a program it asked for
+        ahead is still exporting exits at once (the store writes whole files only: export/store.py)."""
         if self._pool is not None:
+            # ProcessPoolExecutor has no public way to stop a running task before Python 3.14's terminate_workers
+            workers = [] if wait else list((getattr(self._pool, "_processes", None) or {}).values())
             self._pool.shutdown(wait=wait, cancel_futures=True)
+            for w in workers:
+                w.terminate()  # SIGTERM: the exporter exits cleanly (_exit_on_sigterm) ...
+            for w in workers:
+                w.join(5)
+                if w.is_alive():  # ... unless it is stuck in native code
+                    w.kill()
+                    w.join(5)
             self._pool = None
 
 

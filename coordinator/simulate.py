@@ -303,7 +303,10 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
         shutil.rmtree(cfg.workdir)
     specs, data = prepare(cfg)
     cfg = replace(cfg, spec=model_spec(cfg, data), devices=len(specs))
-    programs = ProgramCatalog()
+    # exports off the coordinator's network thread, as the daemon runs them (a round waits for its programs, or in
+    # production mode passes over the devices that lack them: coordinator/rounds.py), with the first round's
+    # bucket family asked for before any device checks in
+    programs = ProgramCatalog(background=True)
     if cfg.spec.get("arch") == "module":
         preflight(cfg, programs)
     broker = None
@@ -333,7 +336,9 @@ def simulate(cfg: SimConfig, *, out: str | None = None, plot: str | None = None,
         if not url.startswith("mqtt://"):
             broker = start_broker(url)
             url = broker.url
-        coord = build_coordinator(cfg, url, (data.x_test, data.y_test), on_round, programs=programs).start()
+        coord = build_coordinator(cfg, url, (data.x_test, data.y_test), on_round, programs=programs)
+        coord.prefetch(fleet_runtimes(cfg.runtimes))
+        coord.start()
         if not coord.link.connected.wait(30):
             raise TimeoutError(f"coordinator could not connect to {url}")
         workers = start_ingest_workers(cfg.ingest_workers, coord)

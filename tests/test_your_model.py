@@ -520,3 +520,16 @@ def test_the_documented_commands_run(tmp_path):
     assert all(r["accuracy"] is not None and r["reports"] == 3 for r in fleet["rounds"])
     assert (work / "report.png").stat().st_size > 0 and (work / "fleet-report.png").stat().st_size > 0
     assert "run finished: 5 rounds" in out
+
+
+def test_a_strategy_with_running_statistics_copies_and_plans_as_the_original():
+    """Coordinator.prefetch plans from a deep copy of the strategy; a BatchNorm model's strategy (RunningStats)
+    recursed without end in the copy (its attribute lookup asked the inner strategy before it was set)."""
+    import copy
+    s = spec_of("bn_cnn")
+    fed = make_strategy("fedavg", spec=s, lr=0.1, batch_size=10)
+    twin = copy.deepcopy(fed)
+    assert isinstance(twin, RunningStats) and twin.inner is not fed.inner
+    a, b = fed.plan(fed.init(0), "d0", {}), twin.plan(twin.init(0), "d0", {})
+    assert set(a.weights) == set(b.weights) and set(a.extras) == set(b.extras) == set(buffer_shapes(s))
+    assert all(np.array_equal(a.weights[k], b.weights[k]) for k in a.weights)

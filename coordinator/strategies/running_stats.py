@@ -37,6 +37,8 @@ class RunningStats:
         self._sub: tuple[ServerState, G.Subnet] | None = None
 
     def __getattr__(self, name: str) -> Any:  # name, spec, hparams, metrics, ...
+        if name == "inner":  # not set yet: a copy (copy.deepcopy, pickle) asks before __init__ has run
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def can_snapshot(self) -> bool:
