@@ -288,6 +288,7 @@ class OpenRound:
     kept_bytes: int = 0
     first_loss: float | None = None  # round 1's screen: the initial model's test loss, if it measured it
     passed_over: int = 0  # selected devices left out because their programs were still exporting (production)
+    unbuilt: set[str] = field(default_factory=set)  # checked in free, plan held until its program is built
 
 
 def task_id(run_id: str, round_: int, attempt: int) -> str:
@@ -494,7 +495,7 @@ class RoundMachine:
         except BadCapabilities as e:
             return self._reject(m.device_id, "checkin", str(e), now)
         if free_now:
-            send = self._send_plan(o, m.device_id)
+            send = self._send_when_built(o, m.device_id)
         why = self.cfg.eligibility.reason_against(rec.capabilities)
         if why:
             log.debug("device %s not eligible: %s", m.device_id, why)
@@ -672,6 +673,8 @@ class RoundMachine:
         if now - self._swept >= 1.0:
             self._swept = now
             out += self._forget(now)
+        if self.open is not None and self.open.unbuilt:
+            out += self._send_built()
         return out + getattr(self, move.handler)(now)
 
     def _forget(self, now: float) -> list[Action]:
@@ -969,6 +972,28 @@ class RoundMachine:
                     out[d] = more[d]
             share_memo(out.values())
         return keep, out, passed
+
+    def _send_when_built(self, o: OpenRound, device_id: str) -> list[Action]:
+        """A device that checked in free gets its plan if its program is built; else the program is asked for,
+        and the plan goes out at the first tick after it is built (:meth:`_send_built`). A restarted
+        coordinator re-opens its round (reproducible mode) before any program is built, and taking one here
+        would export it on the network thread, holding every ack and check-in for the export's seconds."""
+        dp = o.plans[device_id]
+        if self._built(dp, device_id):
+            return self._send_plan(o, device_id)
+        self.programs.request(*self._program_args(dp, device_id))
+        o.unbuilt.add(device_id)
+        return []
+
+    def _send_built(self) -> list[Action]:
+        o, out = self.open, []
+        for d in sorted(o.unbuilt):
+            if d in o.finished:  # gone offline, or ended the plan, meanwhile
+                o.unbuilt.discard(d)
+            elif self._built(o.plans[d], d):
+                o.unbuilt.discard(d)
+                out += self._send_plan(o, d)
+        return out
 
     def next_plans(self, max_messages: int = 0) -> list[Action]:
         """Publishes of the open round's plans not sent yet, about ``max_messages`` of them (whole plans; 0: all).

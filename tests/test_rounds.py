@@ -342,6 +342,39 @@ def test_restart_from_store_keeps_accepted_reports(tmp_path, durable_sums):
     assert bus.committed[-1]["round"] == 1 and bus.committed[-1]["reports"] == 4
 
 
+
+def test_a_restarted_round_holds_a_plan_until_its_program_is_built(tmp_path):
+    """Reproducible mode re-opens a round after a restart and sends each selected device its plan when it checks in
+    free. With the program still exporting (a restarted coordinator's catalog is empty), the plan waits for it,
+    asked for in the background, and goes out at the first tick once it is built: taking the program at the
+    check-in exported it on the network thread (ExecuTorch: 10-45 s of no acks, no check-ins)."""
+    bus = make_bus(tmp_path, 4, rounds=2, per_round=4, over=1.0, timeout=100)
+    bus.m.cfg = dataclasses.replace(bus.m.cfg, reproducible=True, expected_devices=4)
+    store = Store(tmp_path / "s.sqlite")
+    store.save_initial_state(bus.m.state)
+    bus.hold_training = set(bus.agents)
+    bus.connect_all()
+    bus.tick(0.1)
+    assert bus.m.open is not None and not bus.m.open.accepted
+    store.apply_batch([(p.what, p.data) for p in bus.persisted])
+    store.close()
+    store = Store(tmp_path / "s.sqlite")  # "restart"
+    cat = Exporting(ProgramCatalog())
+    m2 = RoundMachine(bus.m.cfg, bus.m.strategy, store.latest_state(), cat, now=bus.now)
+    for d in store.devices():
+        m2.registry.checkin(d["device_id"], d["caps"], d["programs"], d["n"], bus.now)
+    m2.restore_open(*store.open_round())
+    plans = lambda acts: [a.topic.rsplit("/", 1)[1] for a in acts if isinstance(a, R.Publish) and "/plan/" in a.topic]  # noqa: E731
+    check_in = lambda d: m2.receive(wire.topic("default", "checkin", d), wire.encode(_checkin(bus, d)), bus.now)  # noqa: E731
+    assert plans(check_in("d0") + check_in("d1")) == [] and cat.requested  # asked for, not taken
+    assert plans(m2.tick(bus.now + 0.1)) == []  # still exporting
+    m2.receive(wire.topic("default", "status", "d1"), wire.encode(wire.Status("d1", "offline")), bus.now + 0.2)
+    cat.done = True
+    assert plans(m2.tick(bus.now + 0.3)) == ["d0"]  # built: the free device's plan; d1 went offline meanwhile
+    assert plans(m2.tick(bus.now + 0.4)) == [] and plans(check_in("d2")) == ["d2"]  # built now: sent at once
+    store.close()
+
+
 # ---- the table (coordinator/rounds.py TRANSITIONS), cell by cell
 
 def machine_in(tmp_path, phase: str, rounds: int = 2):
