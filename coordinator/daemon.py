@@ -132,18 +132,37 @@ class ProgramCatalog:
         """Stop the background exports: those not started are dropped; the one under way is finished (and stored)
         first with ``wait``, else dropped with its process, so that a run that ends while a program it asked for
         ahead is still exporting exits at once (the store writes whole files only: export/store.py)."""
-        if self._pool is not None:
-            # ProcessPoolExecutor has no public way to stop a running task before Python 3.14's terminate_workers
-            workers = [] if wait else list((getattr(self._pool, "_processes", None) or {}).values())
-            self._pool.shutdown(wait=wait, cancel_futures=True)
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        # ProcessPoolExecutor has no public way to stop a running task before Python 3.14's terminate_workers
+        workers = [] if wait else list((getattr(pool, "_processes", None) or {}).values())
+        manager = getattr(pool, "_executor_manager_thread", None)  # (shutdown forgets it)
+        pool.shutdown(wait=wait, cancel_futures=True)
+        if not workers:
+            return
+        for w in workers:
+            w.terminate()  # SIGTERM: the exporter exits cleanly (_exit_on_sigterm) ...
+        if not _ended(workers, 5):  # ... unless it is stuck in native code
             for w in workers:
-                w.terminate()  # SIGTERM: the exporter exits cleanly (_exit_on_sigterm) ...
-            for w in workers:
-                w.join(5)
-                if w.is_alive():  # ... unless it is stuck in native code
-                    w.kill()
-                    w.join(5)
-            self._pool = None
+                w.kill()
+            _ended(workers, 5)
+        if manager is not None:
+            # The pool's own thread reaps the workers (it joins them as it shuts down). Joining them here as well
+            # would race it for each exit status: the loser's waitpid fails, and its Process reads as alive.
+            manager.join(5)
+
+
+def _ended(workers: list, timeout: float) -> bool:
+    """Whether every worker process has exited within ``timeout`` seconds. Read from each process's sentinel (a
+    pipe the kernel closes at its exit), not from waitpid, which is the pool's to call."""
+    from multiprocessing.connection import wait
+    end = time.monotonic() + timeout
+    left = [w.sentinel for w in workers]
+    while left and time.monotonic() < end:
+        done = wait(left, max(0.0, end - time.monotonic()))
+        left = [s for s in left if s not in done]
+    return not left
 
 
 class Evaluator:
